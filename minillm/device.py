@@ -1,0 +1,45 @@
+"""Device and dtype names, resolved with clear errors."""
+from __future__ import annotations
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DEVICE_NAMES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``"auto"`` picks CUDA when available, else CPU; asking for absent CUDA is a ValueError."""
+    if isinstance(device, torch.device):
+        name = device.type
+    elif isinstance(device, str):
+        name = device.split(":")[0]
+    else:
+        raise TypeError(f"device={device!r} must be a str or torch.device")
+    if name not in DEVICE_NAMES:
+        raise ValueError(f"unknown device {device!r}; choose one of {DEVICE_NAMES}")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for, but torch sees no CUDA device "
+                         "(torch.cuda.is_available() is False); use device='cpu' or 'auto'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype = "float32") -> torch.dtype:
+    """``"float32" | "bfloat16" | "float16"`` (or the torch dtype itself)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; choose one of {list(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {list(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    """Bytes per element of a floating dtype."""
+    return torch.empty((), dtype=resolve_dtype(dtype)).element_size()

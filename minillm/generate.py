@@ -1,0 +1,81 @@
+"""Autoregressive generation: the naive path (recompute everything) and the cached path.
+
+naive : every step runs the model on the whole sequence so far, prompt included.
+cached: one prefill over the prompt fills the KV cache; each decode step feeds one token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from .cache import KVCache
+from .sampling import SamplingParams, sample
+from .timing import now
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token, stamped after the device finished computing it."""
+
+    token_id: int
+    index: int  # 0 for the first generated token
+    phase: str  # "prefill" (the step that read the prompt) or "decode"
+    time: float  # time.perf_counter() seconds, after synchronizing the device
+
+
+def as_prompt_tensor(prompt_ids, vocab_size: int, device) -> torch.Tensor:
+    """A list/1-D tensor of ids -> (1, T) long tensor on ``device``, validated."""
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    if ids.dim() != 1:
+        raise ValueError(f"prompt_ids must be one sequence (1-D), got shape {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError("prompt_ids is empty; give at least one token (e.g. BOS)")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})")
+    return ids.to(device)[None, :]
+
+
+def check_lengths(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None:
+    """prompt + new tokens must fit in the model's context; nothing is cut silently."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    if prompt_len + max_new_tokens > max_seq_len:
+        raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} = "
+                         f"{prompt_len + max_new_tokens} exceeds max_seq_len={max_seq_len}")
+
+
+@torch.inference_mode()
+def stream_generate(model, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+                    use_cache: bool = True, sampling: SamplingParams | None = None,
+                    eos_token_id: int | None = None, seed: int | None = None) -> Iterator[TokenEvent]:
+    """Yield each new token as a TokenEvent; stops after EOS (which is yielded) or max_new_tokens."""
+    sampling = sampling or SamplingParams()
+    device = model.device
+    ids = as_prompt_tensor(prompt_ids, model.config.vocab_size, device)  # (1, T)
+    check_lengths(ids.shape[1], max_new_tokens, model.config.max_seq_len)
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    cache = KVCache(model.config, 1, ids.shape[1] + max_new_tokens, device, model.dtype) if use_cache else None
+
+    seq = ids  # (1, T + generated so far); the naive path feeds all of it every step
+    logits = model(ids, cache=cache)[:, -1]  # prefill: (1, vocab)
+    for index in range(max_new_tokens):
+        token = sample(logits, sampling, generator)  # (1,)
+        yield TokenEvent(int(token), index, "prefill" if index == 0 else "decode", now(device))
+        if int(token) == eos_token_id or index == max_new_tokens - 1:
+            return
+        if use_cache:
+            logits = model(token[:, None], cache=cache)[:, -1]  # decode: one token in
+        else:
+            seq = torch.cat([seq, token[:, None]], dim=1)
+            logits = model(seq)[:, -1]  # recompute the whole sequence
+
+
+def generate(model, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+             use_cache: bool = True, sampling: SamplingParams | None = None,
+             eos_token_id: int | None = None, seed: int | None = None) -> list[int]:
+    """The new token ids (EOS included when it ends the run)."""
+    return [e.token_id for e in stream_generate(model, prompt_ids, max_new_tokens, use_cache,
+                                                sampling, eos_token_id, seed)]

@@ -1,0 +1,254 @@
+"""Inference arithmetic: KV-cache and weight bytes, FLOPs per token, capacity planning.
+
+Everything here is computed from a config's shapes alone, so it works on the shape-only presets
+(LLaMA-7B, LLaMA-13B, Llama-2-70B) without allocating them. Bytes are plain integers; convert them
+for display with ``format_bytes``, which keeps decimal (MB = 10^6, GB = 10^9) and binary
+(MiB = 2^20, GiB = 2^30) units apart.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .config import ModelConfig, get_config
+
+BYTES_PER_ELEMENT: dict[str, int] = {
+    "float32": 4, "bfloat16": 2, "float16": 2,
+    "fp8": 1, "int8": 1,  # 1-byte caches (scales per block ignored)
+}
+UNITS: dict[str, int] = {
+    "B": 1, "kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+}
+
+
+def bytes_per_element(dtype: str | torch.dtype) -> int:
+    """Bytes of one element: a name in ``BYTES_PER_ELEMENT`` or a torch dtype (its itemsize)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype={dtype!r} must be a str or torch.dtype")
+    if dtype not in BYTES_PER_ELEMENT:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {list(BYTES_PER_ELEMENT)}")
+    return BYTES_PER_ELEMENT[dtype]
+
+
+def _config(config: ModelConfig | str) -> ModelConfig:
+    """A ModelConfig, or a preset name resolved to one."""
+    if isinstance(config, str):
+        return get_config(config)
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig or a preset name, got {type(config).__name__}")
+    return config
+
+
+def _count(name: str, value, minimum: int = 1) -> int:
+    """``value`` as an int >= ``minimum``, else ValueError/TypeError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be an integer")
+    if value < minimum:
+        raise ValueError(f"{name}={value!r} must be >= {minimum}")
+    return value
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+def kv_bytes_per_token(config: ModelConfig | str, dtype: str | torch.dtype = "float16") -> int:
+    """K and V of one token across all layers: 2 x n_layers x n_kv_heads x head_dim x bytes."""
+    c = _config(config)
+    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * bytes_per_element(dtype)
+
+
+def kv_cache_bytes(config: ModelConfig | str, seq_len: int, batch_size: int = 1,
+                   dtype: str | torch.dtype = "float16", window: int | None = None) -> int:
+    """KV cache of ``batch_size`` sequences of ``seq_len`` tokens: 2 x L x H_kv x S x D x bytes x B.
+
+    ``window``: sliding-window attention keeps only the last ``window`` positions, so S = min(seq_len,
+    window). GQA/MQA enter through ``config.n_kv_heads``.
+    """
+    _count("seq_len", seq_len)
+    _count("batch_size", batch_size)
+    kept = seq_len if window is None else min(seq_len, _count("window", window))
+    return kv_bytes_per_token(config, dtype) * kept * batch_size
+
+
+def weight_bytes(config: ModelConfig | str, dtype: str | torch.dtype = "float16") -> int:
+    """All parameters (tied embeddings counted once) x bytes per element."""
+    return _config(config).n_params * bytes_per_element(dtype)
+
+
+def kv_share(config: ModelConfig | str, seq_len: int, batch_size: int = 1,
+             dtype: str | torch.dtype = "float16", weight_dtype: str | torch.dtype = "float16") -> float:
+    """Fraction of (weights + KV cache) that the KV cache takes."""
+    kv = kv_cache_bytes(config, seq_len, batch_size, dtype)
+    return kv / (kv + weight_bytes(config, weight_dtype))
+
+
+# --- FLOPs and bytes moved -----------------------------------------------------------------------
+
+def matmul_params(config: ModelConfig | str) -> int:
+    """Weights that multiply every token: attention and MLP projections plus ``lm_head``.
+
+    The embedding lookup (no multiply) and the norms (element-wise) are left out; with tied
+    embeddings the shared matrix still counts once, as ``lm_head``.
+    """
+    c = _config(config)
+    counts = c.param_counts()
+    return counts["attention"] + counts["mlp"] + c.vocab_size * c.d_model
+
+
+def _attention_flops_per_query(config: ModelConfig, n_keys: int) -> int:
+    """QK^T and AV for one query position attending ``n_keys`` keys, all layers: 4 x L x H x D x S."""
+    return 4 * config.n_layers * config.n_heads * config.head_dim * n_keys
+
+
+def prefill_flops(config: ModelConfig | str, prompt_len: int) -> int:
+    """Matmul FLOPs of one forward pass over ``prompt_len`` tokens (no cache before it).
+
+    2 x matmul_params x T for the projections, plus the causal attention term: the query at
+    position p (0-based) attends p + 1 keys, so QK^T and AV cost 4 x L x H x D x T(T+1)/2.
+    (A dense kernel that computes the masked half too does about twice the attention work.)
+    """
+    c = _config(config)
+    t = _count("prompt_len", prompt_len)
+    return 2 * matmul_params(c) * t + _attention_flops_per_query(c, t * (t + 1) // 2)
+
+
+def decode_flops(config: ModelConfig | str, context_len: int) -> int:
+    """Matmul FLOPs of one decode step of one sequence whose new token attends ``context_len``
+    positions (itself included): 2 x matmul_params + 4 x L x H x D x context_len."""
+    c = _config(config)
+    return 2 * matmul_params(c) + _attention_flops_per_query(c, _count("context_len", context_len))
+
+
+def generation_flops(config: ModelConfig | str, prompt_len: int, new_tokens: int,
+                     use_cache: bool = True) -> int:
+    """Total matmul FLOPs to generate ``new_tokens`` after a ``prompt_len`` prompt (batch 1).
+
+    Cached: one prefill over the prompt, then ``new_tokens - 1`` decode steps (the last token is
+    never fed back). Naive: a full forward over prompt_len + i tokens for i = 0 .. new_tokens-1.
+    """
+    _count("prompt_len", prompt_len)
+    _count("new_tokens", new_tokens)
+    if use_cache:
+        return prefill_flops(config, prompt_len) + sum(
+            decode_flops(config, prompt_len + i + 1) for i in range(new_tokens - 1))
+    return sum(prefill_flops(config, prompt_len + i) for i in range(new_tokens))
+
+
+def streamed_weight_bytes(config: ModelConfig | str, dtype: str | torch.dtype = "float16") -> int:
+    """Weight bytes one forward pass reads: all parameters except an untied embedding table
+    (a lookup reads only the rows of the batch's tokens)."""
+    c = _config(config)
+    embed = 0 if c.tie_embeddings else c.param_counts()["embed_tokens"]
+    return (c.n_params - embed) * bytes_per_element(dtype)
+
+
+def decode_bytes(config: ModelConfig | str, context_len: int, batch_size: int = 1,
+                 dtype: str | torch.dtype = "float16") -> int:
+    """Bytes one decode step reads: the weights once for the whole batch, plus each row's KV cache
+    of ``context_len`` positions (same dtype for both)."""
+    return (streamed_weight_bytes(config, dtype)
+            + kv_cache_bytes(config, context_len, batch_size, dtype))
+
+
+def arithmetic_intensity(flops: int | float, bytes_moved: int | float) -> float:
+    """FLOPs per byte moved."""
+    if not flops >= 0:
+        raise ValueError(f"flops={flops!r} must be >= 0")
+    if not bytes_moved > 0:
+        raise ValueError(f"bytes_moved={bytes_moved!r} must be > 0")
+    return flops / bytes_moved
+
+
+# --- capacity ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """How many requests fit on one device, and how many devices a target concurrency needs.
+
+    Weights are replicated on every device (no tensor parallelism): each device holds
+    ``weight_bytes`` + ``reserve_bytes`` + its requests' KV caches.
+    """
+
+    device_bytes: int
+    weight_bytes: int
+    reserve_bytes: int
+    request_bytes: int
+    free_bytes: int  # device - weights - reserve: what is left for KV caches
+    requests_exact: float  # free / request, before rounding down
+    requests_per_device: int  # floor(free / request): whole requests only
+    target_concurrency: int | None
+    devices_needed: int | None  # ceil(target / requests_per_device)
+
+    @property
+    def total_weight_bytes(self) -> int | None:
+        """Weight bytes over all devices of the plan (one replica per device)."""
+        return None if self.devices_needed is None else self.devices_needed * self.weight_bytes
+
+
+def plan_capacity(device_bytes: int, weight_bytes: int, reserve_bytes: int, request_bytes: int,
+                  target_concurrency: int | None = None) -> CapacityPlan:
+    """Requests per device = floor((device - weights - reserve) / request); devices for a target
+    concurrency = ceil(target / requests per device). All arguments in bytes."""
+    _count("device_bytes", device_bytes)
+    _count("weight_bytes", weight_bytes, minimum=0)
+    _count("reserve_bytes", reserve_bytes, minimum=0)
+    _count("request_bytes", request_bytes)
+    free = device_bytes - weight_bytes - reserve_bytes
+    if free <= 0:
+        raise ValueError(f"weights ({weight_bytes} B) + reserve ({reserve_bytes} B) leave no room on a "
+                         f"device of {device_bytes} B")
+    per_device = free // request_bytes
+    devices = None
+    if target_concurrency is not None:
+        _count("target_concurrency", target_concurrency)
+        if per_device == 0:
+            raise ValueError(f"one request needs {request_bytes} B but a device has only {free} B free; "
+                             f"no number of devices serves target_concurrency={target_concurrency}")
+        devices = -(-target_concurrency // per_device)
+    return CapacityPlan(device_bytes, weight_bytes, reserve_bytes, request_bytes, free,
+                        free / request_bytes, per_device, target_concurrency, devices)
+
+
+# --- allocation waste (reserve max_len vs blocks) -----------------------------------------------
+
+def reserved_slots(lengths: Sequence[int], max_len: int | None = None,
+                   block_size: int | None = None) -> int:
+    """Token slots of KV cache reserved for sequences of these lengths.
+
+    Exactly one of: ``max_len`` (every sequence reserves max_len slots up front) or ``block_size``
+    (each sequence holds ceil(length / block_size) blocks, as a paged cache does).
+    """
+    if (max_len is None) == (block_size is None):
+        raise ValueError(f"give exactly one of max_len={max_len!r} and block_size={block_size!r}")
+    lengths = [_count("length", n) for n in lengths]
+    if not lengths:
+        raise ValueError("lengths is empty; give at least one sequence length")
+    if max_len is not None:
+        _count("max_len", max_len)
+        if max(lengths) > max_len:
+            raise ValueError(f"a sequence of length {max(lengths)} exceeds max_len={max_len}")
+        return max_len * len(lengths)
+    _count("block_size", block_size)
+    return sum(-(-n // block_size) * block_size for n in lengths)
+
+
+def allocation_waste(lengths: Sequence[int], max_len: int | None = None,
+                     block_size: int | None = None) -> float:
+    """Fraction of reserved KV slots that hold no token: 1 - sum(lengths) / reserved_slots."""
+    return 1 - sum(lengths) / reserved_slots(lengths, max_len, block_size)
+
+
+# --- display -------------------------------------------------------------------------------------
+
+def format_bytes(n_bytes: int | float, unit: str, digits: int = 2) -> str:
+    """``n_bytes`` in one explicit unit, e.g. ``format_bytes(2**30, "GB") == "1.07 GB"``."""
+    if unit not in UNITS:
+        raise ValueError(f"unknown unit {unit!r}; choose one of {list(UNITS)}")
+    if not isinstance(n_bytes, (int, float)) or isinstance(n_bytes, bool) or not math.isfinite(n_bytes):
+        raise TypeError(f"n_bytes={n_bytes!r} must be a finite number")
+    return f"{n_bytes / UNITS[unit]:,.{digits}f} {unit}"

@@ -1,0 +1,109 @@
+"""Machine probes and the roofline: how fast can this device compute, and how fast can it read?
+
+The roofline model says a kernel that does ``flops`` of work while moving ``bytes`` of memory can run
+at most at ``min(peak_flops, intensity x peak_bandwidth)`` FLOP/s, where intensity = flops / bytes.
+The two peaks are measured here with small probes (a square matmul, a large copy) instead of taken
+from a datasheet, so the chapter compares the model with the machine it actually runs on.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .device import resolve_device, resolve_dtype
+from .timing import now
+
+Clock = Callable[[torch.device], float]
+
+
+def _check_positive_int(name: str, value, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
+                device: torch.device | str | None = None, clock: Clock = now) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` timed calls, after ``warmup`` untimed ones.
+
+    ``clock(device)`` must synchronize the device before reading the time (``minillm.timing.now``
+    does); tests pass a fake clock.
+    """
+    _check_positive_int("repeats", repeats)
+    _check_positive_int("warmup", warmup, minimum=0)
+    for _ in range(warmup):
+        fn()
+    seconds = []
+    for _ in range(repeats):
+        start = clock(device)
+        fn()
+        seconds.append(clock(device) - start)
+    return statistics.median(seconds)
+
+
+def matmul_flops(n: int) -> int:
+    """FLOPs of an (n, n) @ (n, n) matmul: n^2 outputs, each n multiplies and n adds."""
+    _check_positive_int("n", n)
+    return 2 * n ** 3
+
+
+def measure_matmul_flops(n: int = 512, dtype: str | torch.dtype = "float32",
+                         device: str | torch.device = "cpu", repeats: int = 5,
+                         clock: Clock = now) -> float:
+    """Achieved FLOP/s (median of ``repeats``) of one square ``n x n`` matmul.
+
+    Pick ``n`` so one call takes a few milliseconds: 512 on a laptop CPU, 4096 or more on a GPU
+    (a small matmul cannot fill a GPU and reports far below its peak).
+    """
+    _check_positive_int("n", n)
+    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=generator).to(device=device, dtype=dtype)  # (n, n)
+    b = torch.randn(n, n, generator=generator).to(device=device, dtype=dtype)  # (n, n)
+    seconds = median_time(lambda: a @ b, repeats=repeats, device=device, clock=clock)
+    return matmul_flops(n) / seconds
+
+
+def measure_bandwidth(n_bytes: int = 64 * 2 ** 20, device: str | torch.device = "cpu",
+                      repeats: int = 5, clock: Clock = now) -> float:
+    """Achieved memory bandwidth in bytes/s (median of ``repeats``) of copying ``n_bytes``.
+
+    Each copy reads ``n_bytes`` and writes ``n_bytes``: both are counted (2 x n_bytes moved). Make
+    ``n_bytes`` larger than the last-level cache (tens of MiB on a CPU, ~50 MiB of L2 on recent
+    GPUs), or the probe measures the cache instead of main memory.
+    """
+    _check_positive_int("n_bytes", n_bytes, minimum=4)
+    device = resolve_device(device)
+    src = torch.ones(n_bytes // 4, device=device, dtype=torch.float32)  # (n_bytes/4,)
+    dst = torch.empty_like(src)
+    seconds = median_time(lambda: dst.copy_(src), repeats=repeats, device=device, clock=clock)
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def _check_peak(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a finite number > 0")
+
+
+def ridge_point(peak_flops: float, peak_bw: float) -> float:
+    """The intensity (FLOP/byte) where the roofline bends: below it memory, above it compute limits."""
+    _check_peak("peak_flops", peak_flops)
+    _check_peak("peak_bw", peak_bw)
+    return peak_flops / peak_bw
+
+
+def roofline(intensity, peak_flops: float, peak_bw: float):
+    """Attainable FLOP/s at ``intensity`` FLOP/byte: ``min(peak_flops, intensity * peak_bw)``.
+
+    ``intensity`` may be a number (returns a float) or an array (returns an array, for plotting).
+    """
+    _check_peak("peak_flops", peak_flops)
+    _check_peak("peak_bw", peak_bw)
+    values = np.asarray(intensity, dtype=float)
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+        raise ValueError(f"intensity={intensity!r} must be finite and >= 0 (FLOP per byte)")
+    attainable = np.minimum(peak_flops, values * peak_bw)
+    return float(attainable) if attainable.ndim == 0 else attainable

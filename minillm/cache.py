@@ -55,8 +55,8 @@ class KVCache:
 
     def commit(self, positions: torch.Tensor) -> None:
         """After a forward pass: each row's length becomes its last position + 1."""
-        self.lengths = positions[:, -1] + 1
+        self.lengths = positions[:, -1] + 1  # (B,)
 
     def reset(self) -> None:
         """Forget every row (the memory stays allocated)."""
-        self.lengths.zero_()
+        self.lengths = torch.zeros_like(self.lengths)  # a new tensor: lengths may come from inference mode

@@ -26,28 +26,30 @@ class ModelConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        sizes = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")
+        for name in sizes + (("head_dim",) if self.head_dim is not None else ()):
+            _check_positive_int(name, getattr(self, name))
         if self.head_dim is None:
-            if self.n_heads > 0 and self.d_model % self.n_heads != 0:
+            if self.d_model % self.n_heads != 0:
                 raise ValueError(
                     f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                     "give head_dim explicitly"
                 )
-            object.__setattr__(self, "head_dim", self.d_model // max(self.n_heads, 1))
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "d_ff", "max_seq_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
                 f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta={self.rope_theta!r} must be > 0")
-        if not self.norm_eps > 0:
-            raise ValueError(f"norm_eps={self.norm_eps!r} must be > 0")
+        for name in ("rope_theta", "norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError(f"{name}={value!r} must be a number")
+            if not value > 0:
+                raise ValueError(f"{name}={value!r} must be > 0")
+        if not isinstance(self.tie_embeddings, bool):
+            raise TypeError(f"tie_embeddings={self.tie_embeddings!r} must be True or False")
 
     @property
     def n_groups(self) -> int:
@@ -75,8 +77,21 @@ class ModelConfig:
         return sum(self.param_counts().values())
 
     def with_(self, **changes) -> "ModelConfig":
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again).
+
+        A ``head_dim`` that was the default ``d_model // n_heads`` is derived again from the new
+        shape unless ``head_dim`` itself is changed.
+        """
+        if "head_dim" not in changes and self.head_dim == self.d_model // self.n_heads:
+            changes["head_dim"] = None
         return replace(self, **changes)
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be an integer")
+    if value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer (> 0)")
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -96,7 +111,7 @@ def get_config(name: str, **overrides) -> ModelConfig:
     """A preset by name, optionally with fields overridden."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
+    return PRESETS[name].with_(**overrides) if overrides else PRESETS[name]
 
 
 CONFIG_FIELDS = tuple(f.name for f in fields(ModelConfig))

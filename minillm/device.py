@@ -35,6 +35,8 @@ def resolve_dtype(dtype: str | torch.dtype = "float32") -> torch.dtype:
         if dtype not in DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; choose one of {list(DTYPES)}")
         return dtype
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype={dtype!r} must be a str or torch.dtype")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {list(DTYPES)}")
     return DTYPES[dtype]

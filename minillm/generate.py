@@ -26,39 +26,67 @@ class TokenEvent:
 
 
 def as_prompt_tensor(prompt_ids, vocab_size: int, device) -> torch.Tensor:
-    """A list/1-D tensor of ids -> (1, T) long tensor on ``device``, validated."""
-    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    """A list/1-D tensor of integer ids -> (1, T) long tensor on ``device``, validated."""
+    ids = torch.as_tensor(prompt_ids)
     if ids.dim() != 1:
         raise ValueError(f"prompt_ids must be one sequence (1-D), got shape {tuple(ids.shape)}")
     if ids.numel() == 0:
         raise ValueError("prompt_ids is empty; give at least one token (e.g. BOS)")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"prompt_ids must be integer token ids, got dtype {ids.dtype}")
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})")
-    return ids.to(device)[None, :]
+    return ids.to(device=device, dtype=torch.long)[None, :]
 
 
-def check_lengths(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None:
-    """prompt + new tokens must fit in the model's context; nothing is cut silently."""
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-    if prompt_len + max_new_tokens > max_seq_len:
+def check_lengths(prompt_len: int, max_new_tokens: int, max_len: int, limit_name: str = "max_seq_len") -> None:
+    """prompt + new tokens must fit in ``max_len`` (the context or a cache); nothing is cut silently."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+        raise TypeError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be >= 1")
+    if prompt_len + max_new_tokens > max_len:
         raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} = "
-                         f"{prompt_len + max_new_tokens} exceeds max_seq_len={max_seq_len}")
+                         f"{prompt_len + max_new_tokens} exceeds {limit_name}={max_len}")
+
+
+def stream_generate(model, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+                    use_cache: bool = True, sampling: SamplingParams | None = None,
+                    eos_token_id: int | None = None, seed: int | None = None, *,
+                    cache: KVCache | None = None) -> Iterator[TokenEvent]:
+    """Yield each new token as a TokenEvent; stops after EOS (which is yielded) or max_new_tokens.
+
+    ``cache``: a batch-1 KVCache to reuse (it is reset first); by default the cached path allocates
+    one of exactly prompt + max_new_tokens positions. Either way it never grows. Bad arguments
+    raise here, at the call, not at the first ``next()``.
+    """
+    sampling = SamplingParams() if sampling is None else sampling
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling={sampling!r} must be a SamplingParams or None")
+    vocab_size = model.config.vocab_size
+    if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
+        raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary [0, {vocab_size})")
+    ids = as_prompt_tensor(prompt_ids, vocab_size, model.device)  # (1, T)
+    check_lengths(ids.shape[1], max_new_tokens, model.config.max_seq_len)
+    if cache is not None:
+        if not use_cache:
+            raise ValueError("a cache was given with use_cache=False; the naive path uses no cache")
+        if cache.batch_size != 1:
+            raise ValueError(f"generate decodes one sequence; the cache has batch_size={cache.batch_size}, not 1")
+        check_lengths(ids.shape[1], max_new_tokens, cache.max_len, "the cache's max_len")
+        cache.reset()
+    elif use_cache:
+        cache = KVCache(model.config, 1, ids.shape[1] + max_new_tokens, model.device, model.dtype)
+    return _stream(model, ids, max_new_tokens, cache, sampling, eos_token_id, seed)
 
 
 @torch.inference_mode()
-def stream_generate(model, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
-                    use_cache: bool = True, sampling: SamplingParams | None = None,
-                    eos_token_id: int | None = None, seed: int | None = None) -> Iterator[TokenEvent]:
-    """Yield each new token as a TokenEvent; stops after EOS (which is yielded) or max_new_tokens."""
-    sampling = sampling or SamplingParams()
+def _stream(model, ids: torch.Tensor, max_new_tokens: int, cache: KVCache | None,
+            sampling: SamplingParams, eos_token_id: int | None, seed: int | None) -> Iterator[TokenEvent]:
+    """The loop behind stream_generate; ``cache`` None is the naive path."""
     device = model.device
-    ids = as_prompt_tensor(prompt_ids, model.config.vocab_size, device)  # (1, T)
-    check_lengths(ids.shape[1], max_new_tokens, model.config.max_seq_len)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    cache = KVCache(model.config, 1, ids.shape[1] + max_new_tokens, device, model.dtype) if use_cache else None
-
     seq = ids  # (1, T + generated so far); the naive path feeds all of it every step
     logits = model(ids, cache=cache)[:, -1]  # prefill: (1, vocab)
     for index in range(max_new_tokens):
@@ -66,7 +94,7 @@ def stream_generate(model, prompt_ids: Sequence[int] | torch.Tensor, max_new_tok
         yield TokenEvent(int(token), index, "prefill" if index == 0 else "decode", now(device))
         if int(token) == eos_token_id or index == max_new_tokens - 1:
             return
-        if use_cache:
+        if cache is not None:
             logits = model(token[:, None], cache=cache)[:, -1]  # decode: one token in
         else:
             seq = torch.cat([seq, token[:, None]], dim=1)
@@ -75,7 +103,8 @@ def stream_generate(model, prompt_ids: Sequence[int] | torch.Tensor, max_new_tok
 
 def generate(model, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
              use_cache: bool = True, sampling: SamplingParams | None = None,
-             eos_token_id: int | None = None, seed: int | None = None) -> list[int]:
+             eos_token_id: int | None = None, seed: int | None = None, *,
+             cache: KVCache | None = None) -> list[int]:
     """The new token ids (EOS included when it ends the run)."""
     return [e.token_id for e in stream_generate(model, prompt_ids, max_new_tokens, use_cache,
-                                                sampling, eos_token_id, seed)]
+                                                sampling, eos_token_id, seed, cache=cache)]

@@ -155,6 +155,13 @@ def decode_bytes(config: ModelConfig | str, context_len: int, batch_size: int = 
             + kv_cache_bytes(config, context_len, batch_size, dtype))
 
 
+def prefill_bytes(config, prompt_len: int, batch_size: int = 1, dtype: str | torch.dtype = "float16") -> int:
+    """Least bytes one prefill moves: the weights read once, plus the K and V it writes for
+    ``batch_size`` prompts of ``prompt_len`` tokens. Activations are left out, so this is a lower
+    bound on traffic (and the intensity computed from it an upper bound)."""
+    return streamed_weight_bytes(config, dtype) + kv_cache_bytes(config, prompt_len, batch_size, dtype)
+
+
 def arithmetic_intensity(flops: int | float, bytes_moved: int | float) -> float:
     """FLOPs per byte moved."""
     if not flops >= 0:

@@ -42,8 +42,20 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (head_dim/2,)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._frequencies("cpu"), persistent=False)  # (head_dim/2,)
+
+    def _frequencies(self, device) -> torch.Tensor:
+        """theta^(-2i/head_dim) for i < head_dim/2, in float32."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+        return 1.0 / self.theta ** exponents
+
+    def _apply(self, fn, recurse=True):
+        """``model.to(dtype)`` keeps the frequencies in float32. Rounded to bfloat16 they would rotate
+        position 1000 by a wrong angle of up to 0.18 rad (head_dim 32) or 1.2 rad (head_dim 128)."""
+        super()._apply(fn, recurse)
+        self.inv_freq = self._frequencies(self.inv_freq.device)
+        return self
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions: (B, T) -> cos, sin: (B, 1, T, head_dim)."""
@@ -98,18 +110,20 @@ class Attention(nn.Module):
             mask = causal_mask(positions, k.shape[2])  # (B, 1, T, S)
         else:
             mask = causal_mask(positions, T) if _is_arange(positions) else _pairwise_mask(positions)
-        groups = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(groups, dim=1)  # (B, H, S, D): each kv head serves `groups` queries
-        v = v.repeat_interleave(groups, dim=1)
+        # GQA without copying K/V: the G query heads that share a kv head become G*T query rows of it.
+        G, S = self.n_heads // self.n_kv_heads, k.shape[2]
+        q = q.reshape(B, self.n_kv_heads, G * T, self.head_dim)  # (B, Hkv, G*T, D), rows ordered (g, t)
+        mask = mask[:, :, None].expand(-1, -1, G, -1, -1).reshape(B, 1, G * T, S)  # (B, 1, G*T, S)
         if self.impl == "eager" or record_weights:
-            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, S)
+            scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, Hkv, G*T, S)
             scores = scores.masked_fill(~mask, float("-inf"))
             weights = F.softmax(scores.float(), dim=-1).to(q.dtype)
             if record_weights:
-                self.last_weights = weights.detach()
-            out = weights @ v  # (B, H, T, D)
+                self.last_weights = weights.detach().view(B, self.n_heads, T, S)
+            out = weights @ v  # (B, Hkv, G*T, D)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, Hkv, G*T, D)
+        out = out.view(B, self.n_heads, T, self.head_dim)  # (B, H, T, D): head h = kv head h // G
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -200,10 +214,14 @@ class CausalLM(nn.Module):
         """
         self._check_input(input_ids)
         B, T = input_ids.shape
+        if cache is not None and cache.lengths.shape[0] != B:
+            raise ValueError(f"input_ids has {B} rows but the cache has batch_size={cache.lengths.shape[0]}")
         if positions is None:
             start = cache.lengths[:, None] if cache is not None else 0
             positions = start + torch.arange(T, device=input_ids.device)[None, :]  # (B, T)
             positions = positions.expand(B, T)
+        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+            raise TypeError(f"positions must be integers, got dtype {positions.dtype}")
         if positions.shape != input_ids.shape:
             raise ValueError(f"positions shape {tuple(positions.shape)} != input_ids shape {tuple(input_ids.shape)}")
         limit = self.config.max_seq_len
@@ -224,6 +242,8 @@ class CausalLM(nn.Module):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a 2-D tensor (batch, seq), got {type(input_ids).__name__} "
                              f"of shape {tuple(getattr(input_ids, 'shape', ()))}")
+        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids is empty (sequence length 0); give at least one token")
         lo, hi = int(input_ids.min()), int(input_ids.max())

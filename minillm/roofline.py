@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .cache import KVCache
 from .device import resolve_device, resolve_dtype
 from .timing import now
 
@@ -83,6 +84,50 @@ def measure_bandwidth(n_bytes: int = 64 * 2 ** 20, device: str | torch.device = 
     return 2 * src.numel() * src.element_size() / seconds
 
 
+def _random_ids(model, batch_size: int, length: int) -> torch.Tensor:
+    """Reproducible random token ids on the model's device: (batch_size, length)."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, length), generator=generator)
+    return ids.to(model.device)
+
+
+@torch.inference_mode()
+def time_prefill(model, prompt_len: int, batch_size: int = 1, repeats: int = 3,
+                 clock: Clock = now) -> float:
+    """Median seconds of one prefill: a forward over ``batch_size`` prompts of ``prompt_len`` random
+    tokens, written into an empty KV cache (the cache is reset, not reallocated, between calls)."""
+    _check_positive_int("prompt_len", prompt_len)
+    _check_positive_int("batch_size", batch_size)
+    ids = _random_ids(model, batch_size, prompt_len)  # (B, T)
+    cache = KVCache(model.config, batch_size, prompt_len, model.device, model.dtype)
+
+    def step():
+        cache.reset()
+        model(ids, cache=cache)
+
+    return median_time(step, repeats=repeats, device=model.device, clock=clock)
+
+
+@torch.inference_mode()
+def time_decode_step(model, context_len: int, batch_size: int = 1, repeats: int = 5,
+                     clock: Clock = now) -> float:
+    """Median seconds of one decode step: ``batch_size`` rows each feed one token that attends
+    ``context_len`` positions (itself included), as in ``minillm.memory.decode_flops``.
+
+    The earlier ``context_len - 1`` positions of the cache are left as zeros instead of being
+    prefilled: attention does the same work whatever the keys hold, and skipping the prefill keeps
+    the probe cheap at long contexts and large batches. Every timed call writes the same last
+    position, so all calls do identical work.
+    """
+    _check_positive_int("context_len", context_len)
+    _check_positive_int("batch_size", batch_size)
+    cache = KVCache(model.config, batch_size, context_len, model.device, model.dtype)
+    token = _random_ids(model, batch_size, 1)  # (B, 1)
+    positions = torch.full((batch_size, 1), context_len - 1, device=model.device)  # (B, 1)
+    return median_time(lambda: model(token, positions=positions, cache=cache), repeats=repeats,
+                       device=model.device, clock=clock)
+
+
 def _check_peak(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a finite number > 0")
@@ -107,3 +152,14 @@ def roofline(intensity, peak_flops: float, peak_bw: float):
         raise ValueError(f"intensity={intensity!r} must be finite and >= 0 (FLOP per byte)")
     attainable = np.minimum(peak_flops, values * peak_bw)
     return float(attainable) if attainable.ndim == 0 else attainable
+
+
+def roofline_time(flops: float, bytes_moved: float, peak_flops: float, peak_bw: float) -> float:
+    """Least seconds a call can take: the larger of compute time and memory time,
+    ``max(flops / peak_flops, bytes_moved / peak_bw)`` (= flops / roofline(intensity))."""
+    _check_peak("peak_flops", peak_flops)
+    _check_peak("peak_bw", peak_bw)
+    for name, value in (("flops", flops), ("bytes_moved", bytes_moved)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+    return max(flops / peak_flops, bytes_moved / peak_bw)

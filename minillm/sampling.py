@@ -30,9 +30,9 @@ class SamplingParams:
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution actually sampled from: logits (B, V) -> probabilities (B, V) in float32.
 
-    Temperature divides the logits; top-k keeps the k largest; top-p keeps the smallest set of
-    most likely tokens whose mass reaches p (the token that crosses p is kept). Greedy puts all the
-    mass on the argmax.
+    Temperature divides the logits; top-k keeps the k largest (and any tied with the k-th); top-p
+    keeps the smallest set of most likely tokens whose mass reaches p (the token that crosses p is
+    kept). Greedy puts all the mass on the argmax.
     """
     logits = logits.float()
     if params.greedy:

@@ -3,11 +3,15 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from minillm import KVCache, build_model
+from minillm.config import ModelConfig
+from minillm.memory import prefill_bytes
 from minillm.roofline import (matmul_flops, measure_bandwidth, measure_matmul_flops, median_time,
-                              ridge_point, roofline)
+                              ridge_point, roofline, roofline_time, time_decode_step, time_prefill)
 
 
 def fake_clock(readings):
@@ -90,3 +94,78 @@ def test_matmul_probe_rejects_bad_sizes(kwargs, name):
 def test_bandwidth_probe_rejects_tiny_buffers():
     with pytest.raises(ValueError, match="n_bytes=2"):
         measure_bandwidth(n_bytes=2)
+
+
+class RecordingModel:
+    """Wraps a model and records the shape and positions of every call."""
+
+    def __init__(self, model):
+        self.model, self.config, self.device, self.dtype = model, model.config, model.device, model.dtype
+        self.calls = []
+
+    def __call__(self, ids, positions=None, cache=None):
+        self.calls.append((tuple(ids.shape), None if positions is None else positions.tolist()))
+        return self.model(ids, positions=positions, cache=cache)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model("tiny")
+
+
+def test_time_prefill_runs_whole_prompts(tiny):
+    model = RecordingModel(tiny)
+    seconds = time_prefill(model, prompt_len=12, batch_size=2, repeats=3, clock=fake_clock(READINGS))
+    assert seconds == 1.0
+    assert model.calls == [((2, 12), None)] * 4  # 1 warm-up + 3 timed, each the whole prompt
+
+
+def test_time_decode_step_attends_context_len_positions(tiny):
+    model = RecordingModel(tiny)
+    seconds = time_decode_step(model, context_len=10, batch_size=3, repeats=3, clock=fake_clock(READINGS))
+    assert seconds == 1.0
+    # 1 warm-up + 3 timed calls, each one token per row at position 9 (the 10th), no prefill
+    assert model.calls == [((3, 1), [[9]] * 3)] * 4
+
+
+def test_time_decode_step_does_the_work_of_a_real_step(tiny):
+    """A step over a zero-filled cache costs what a step after a real prefill costs: same shapes."""
+    context = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(tiny.config, 2, 8)
+    tiny(context, cache=cache)  # a real prefill of 7 positions
+    recorder = RecordingModel(tiny)
+    recorder(torch.zeros(2, 1, dtype=torch.long), positions=cache.lengths[:, None], cache=cache)  # 8th token
+    time_decode_step(recorder, context_len=8, batch_size=2, repeats=1, clock=fake_clock([0.0, 1.0]))
+    assert recorder.calls[1] == recorder.calls[0] == ((2, 1), [[7], [7]])
+
+
+def test_model_timers_return_positive_finite_seconds(tiny):
+    for seconds in (time_prefill(tiny, 16, repeats=2), time_decode_step(tiny, 16, batch_size=2, repeats=2)):
+        assert math.isfinite(seconds) and seconds > 0
+
+
+@pytest.mark.parametrize("kwargs, name", [({"context_len": 0}, "context_len=0"),
+                                          ({"context_len": 4, "batch_size": 0}, "batch_size=0")])
+def test_time_decode_step_rejects_bad_sizes(tiny, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        time_decode_step(tiny, **kwargs)
+
+
+def test_roofline_time_takes_the_slower_of_compute_and_memory():
+    peak_flops, peak_bw = 100e9, 20e9
+    assert roofline_time(1e9, 1e6, peak_flops, peak_bw) == 1e9 / 100e9  # compute-bound: 10 ms
+    assert roofline_time(1e6, 1e9, peak_flops, peak_bw) == 1e9 / 20e9  # memory-bound: 50 ms
+    flops, nbytes = 3e9, 2e8  # consistent with the roofline: flops / attainable FLOP/s
+    assert roofline_time(flops, nbytes, peak_flops, peak_bw) == pytest.approx(
+        flops / roofline(flops / nbytes, peak_flops, peak_bw))
+    with pytest.raises(ValueError, match="bytes_moved"):
+        roofline_time(1.0, -1.0, peak_flops, peak_bw)
+
+
+def test_prefill_bytes_is_weights_plus_the_kv_written():
+    config = ModelConfig(vocab_size=10, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=16)
+    # weights read (embedding table excluded, lm_head included): 2 layers x (attention 8*8*2 + 8*4*2
+    # + mlp 3*8*16 + norms 2*8) + final norm 8 + lm_head 10*8 = 2 x 592 + 8 + 80 = 1272 parameters
+    weights = 1272 * 2
+    kv = 2 * 2 * 1 * 4 * 2 * 5 * 3  # K and V x layers x kv heads x head_dim x bytes x 5 tokens x 3 rows
+    assert prefill_bytes(config, 5, batch_size=3, dtype="float16") == weights + kv

@@ -1,0 +1,101 @@
+"""Greedy, temperature, top-k and top-p: the exact support, the distribution, seeds, bad parameters."""
+import math
+
+import pytest
+import torch
+
+from minillm import SamplingParams, filtered_probs, sample
+
+# Probabilities 0.1, 0.4, 0.2, 0.3 for tokens 0..3; sorted: token 1 (0.4), 3 (0.3), 2 (0.2), 0 (0.1).
+PROBS = torch.tensor([[0.1, 0.4, 0.2, 0.3]])
+LOGITS = PROBS.log()
+
+
+def support(probs: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(probs[0] > 0).flatten().tolist())
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample(logits, SamplingParams()), logits.argmax(-1))
+    assert torch.equal(filtered_probs(logits, SamplingParams()), torch.eye(100)[logits.argmax(-1)])
+    assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
+
+
+def test_temperature_one_is_the_softmax_and_temperature_scales_the_logits():
+    torch.testing.assert_close(filtered_probs(LOGITS, SamplingParams(temperature=1.0)), PROBS)
+    sharp = filtered_probs(LOGITS, SamplingParams(temperature=0.5))  # p^2 renormalized
+    torch.testing.assert_close(sharp, PROBS**2 / (PROBS**2).sum())
+
+
+@pytest.mark.parametrize("top_k, kept", [(1, {1}), (2, {1, 3}), (3, {1, 2, 3}), (4, {0, 1, 2, 3}),
+                                         (0, {0, 1, 2, 3}), (10, {0, 1, 2, 3})])
+def test_top_k_keeps_exactly_the_k_most_likely(top_k, kept):
+    probs = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_k=top_k))
+    assert support(probs) == kept
+    mass = PROBS[0, sorted(kept)].sum()
+    torch.testing.assert_close(probs[0, sorted(kept)], PROBS[0, sorted(kept)] / mass)  # renormalized
+
+
+@pytest.mark.parametrize("top_p, kept", [
+    (0.3, {1}),           # 0.4 alone reaches 0.3
+    (0.39, {1}),
+    (0.6, {1, 3}),        # 0.4 < 0.6, 0.4 + 0.3 = 0.7 >= 0.6: token 3 crosses p and is kept
+    (0.75, {1, 3, 2}),    # 0.7 < 0.75, 0.9 >= 0.75
+    (0.95, {0, 1, 2, 3}),
+    (1.0, {0, 1, 2, 3}),
+])
+def test_top_p_keeps_the_smallest_set_that_reaches_p(top_p, kept):
+    probs = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_p=top_p))
+    assert support(probs) == kept
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1))
+
+
+def test_top_k_then_top_p():
+    # top-k 3 leaves 0.4, 0.3, 0.2 -> renormalized 4/9, 3/9, 2/9; top-p 0.7 then needs 4/9 + 3/9 = 0.78.
+    probs = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_k=3, top_p=0.7))
+    assert support(probs) == {1, 3}
+    torch.testing.assert_close(probs[0, [1, 3]], torch.tensor([4 / 7, 3 / 7]))
+
+
+def test_samples_follow_the_filtered_distribution():
+    params = SamplingParams(temperature=1.0, top_k=3)
+    logits = LOGITS.expand(20_000, 4)
+    tokens = sample(logits, params, torch.Generator().manual_seed(0))
+    frequencies = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    expected = torch.tensor([0.0, 4 / 9, 2 / 9, 3 / 9])
+    assert frequencies[0] == 0  # filtered out: never drawn
+    torch.testing.assert_close(frequencies, expected, rtol=0, atol=0.015)  # ~4 standard errors
+
+
+def test_seeded_sampling_repeats_and_different_seeds_differ():
+    params = SamplingParams(temperature=1.0)
+    logits = torch.zeros(64, 50)  # uniform over 50 tokens
+    first = sample(logits, params, torch.Generator().manual_seed(7))
+    again = sample(logits, params, torch.Generator().manual_seed(7))
+    other = sample(logits, params, torch.Generator().manual_seed(8))
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+@pytest.mark.parametrize("kwargs, kind, words", [
+    (dict(temperature=-0.1), ValueError, ["temperature=-0.1", ">= 0"]),
+    (dict(temperature=math.nan), ValueError, ["temperature=nan", ">= 0"]),
+    (dict(top_p=0.0), ValueError, ["top_p=0.0", "(0, 1]"]),
+    (dict(top_p=1.5), ValueError, ["top_p=1.5", "(0, 1]"]),
+    (dict(top_p=-0.2), ValueError, ["top_p=-0.2", "(0, 1]"]),
+    (dict(top_k=-1), ValueError, ["top_k=-1", ">= 0"]),
+    (dict(top_k=2.5), ValueError, ["top_k=2.5", ">= 0"]),
+])
+def test_bad_sampling_parameters(kwargs, kind, words):
+    with pytest.raises(kind) as info:
+        SamplingParams(**kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_top_k_keeps_ties_with_the_kth_logit():
+    logits = torch.tensor([[1.0, 2.0, 2.0, 0.0]])
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=1))
+    assert support(probs) == {1, 2}
+    torch.testing.assert_close(probs[0, [1, 2]], torch.tensor([0.5, 0.5]))

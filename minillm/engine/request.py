@@ -1,0 +1,102 @@
+"""A request as submitted, its state inside the engine, and the record it leaves behind."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request.
+
+    ``arrival_time`` is in seconds from the start of the run (ignored in a closed-loop run, where a
+    request arrives when an earlier one ends). ``seed`` seeds this request's own sampling generator.
+    An empty prompt or ids outside the vocabulary are not errors here: the engine rejects such a
+    request with a reason, and the run goes on.
+    """
+
+    request_id: int | str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    ignore_eos: bool = False
+    arrival_time: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, (int, str)) or isinstance(self.request_id, bool):
+            raise TypeError(f"request_id={self.request_id!r} must be an int or a str")
+        ids = self.prompt_ids.tolist() if isinstance(self.prompt_ids, torch.Tensor) else self.prompt_ids
+        if not isinstance(ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise TypeError(f"prompt_ids of request {self.request_id!r} must be a list of ints")
+        object.__setattr__(self, "prompt_ids", list(ids))
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise TypeError(f"max_tokens={self.max_tokens!r} must be an int")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"sampling={self.sampling!r} must be a SamplingParams")
+        if not isinstance(self.arrival_time, (int, float)) or not 0 <= self.arrival_time < math.inf:
+            raise ValueError(f"arrival_time={self.arrival_time!r} must be a finite number of seconds >= 0")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise TypeError(f"seed={self.seed!r} must be an int or None")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What happened to one request; every time is in seconds from the start of the run.
+
+    ``minillm.metrics`` reads TTFT, TPOT, ITL and E2E latency from ``arrival_time`` and ``token_times``.
+    """
+
+    request_id: int | str
+    status: str  # "finished" | "rejected"
+    reason: str  # why it ended: "eos", "max_tokens", or the rejection reason
+    prompt_len: int
+    output_ids: list[int]
+    arrival_time: float
+    token_times: list[float]  # one per output token, the first included
+    finish_time: float
+    preemptions: int
+
+
+class Sequence:
+    """A request's state inside the engine: its tokens, its blocks, its clock readings.
+
+    Invariant while running: the KV cache holds every token but the last one (``num_tokens - 1``);
+    the next decode step feeds the last token at position ``num_tokens - 1``.
+    """
+
+    def __init__(self, request: Request, device: torch.device):
+        self.request = request
+        self.output_ids: list[int] = []
+        self.token_times: list[float] = []
+        self.block_table: list[int] = []
+        self.arrival_time: float | None = None  # known once it arrives (closed loop: on release)
+        self.finish_time: float | None = None
+        self.status, self.reason, self.preemptions = "pending", "", 0
+        self.generator = (torch.Generator(device=device).manual_seed(request.seed)
+                          if request.seed is not None else None)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.prompt_ids + self.output_ids
+
+    def token_at(self, position: int) -> int:
+        """The token at ``position`` of prompt + output."""
+        n = len(self.request.prompt_ids)
+        return self.request.prompt_ids[position] if position < n else self.output_ids[position - n]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
+    def record(self) -> RequestRecord:
+        return RequestRecord(self.request.request_id, self.status, self.reason, len(self.request.prompt_ids),
+                             list(self.output_ids), self.arrival_time, list(self.token_times),
+                             self.finish_time, self.preemptions)

@@ -1,0 +1,191 @@
+"""minillm.metrics against values computed by hand on small synthetic timelines."""
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minillm.metrics import (SLO, RequestTiming, e2e_latency, in_system, itls, plan_for_slo, serving_metrics, summarize,
+                             time_average, tpot, ttft)
+
+# A: 4 tokens; B: 2 tokens; C: 1 token (no TPOT); D: rejected (no token).
+A = RequestTiming(0.0, [0.10, 0.15, 0.25, 0.30], prompt_len=10)
+B = RequestTiming(0.2, [0.50, 0.52], prompt_len=20)
+C = RequestTiming(0.4, [0.60], prompt_len=5)
+D = RequestTiming(0.5, [], prompt_len=7)
+RUN = [A, B, C, D]
+
+
+def test_per_request_metrics_by_hand():
+    assert ttft(A) == pytest.approx(0.10)
+    assert e2e_latency(A) == pytest.approx(0.30)
+    assert tpot(A) == pytest.approx((0.30 - 0.10) / 3)
+    assert itls(A) == pytest.approx([0.05, 0.10, 0.05])
+    assert ttft(B) == pytest.approx(0.30)  # queueing included: arrival 0.2, first token 0.5
+    assert tpot(B) == pytest.approx(0.02)
+    assert tpot(C) is None  # undefined for one token, not 0
+    assert itls(C) == []
+    assert ttft(C) == pytest.approx(0.20) and e2e_latency(C) == pytest.approx(0.20)
+
+
+def test_no_token_is_an_error_for_latencies():
+    for f in (ttft, e2e_latency, tpot):
+        with pytest.raises(ValueError, match="at least 1 output token"):
+            f(D)
+    assert itls(D) == []
+
+
+def test_run_metrics_by_hand():
+    m = serving_metrics(RUN)
+    assert (m.n_requests, m.n_completed, m.n_failed, m.n_single_token) == (4, 3, 1, 1)
+    assert m.duration == pytest.approx(0.60)  # first arrival 0.0 to last token 0.60
+    assert (m.prompt_tokens, m.output_tokens) == (35, 7)  # the rejected request's prompt is not counted
+    assert m.request_throughput == pytest.approx(3 / 0.6)
+    assert m.output_throughput == pytest.approx(7 / 0.6)
+    assert m.total_token_throughput == pytest.approx(42 / 0.6)
+    # TTFT per request: [0.1, 0.3, 0.2]; linear percentiles on sorted [0.1, 0.2, 0.3].
+    assert m.ttft.n == 3
+    assert m.ttft.mean == pytest.approx(0.2) and m.ttft.median == pytest.approx(0.2)
+    assert m.ttft.p90 == pytest.approx(0.28) and m.ttft.p99 == pytest.approx(0.298)
+    assert m.ttft.max == pytest.approx(0.3)
+    # TPOT per request over requests with >= 2 tokens: [0.0667, 0.02].
+    assert m.tpot.n == 2 and m.tpot.mean == pytest.approx((0.2 / 3 + 0.02) / 2)
+    # ITL pooled per token gap: [0.05, 0.10, 0.05, 0.02]; not the mean of per-request means.
+    assert m.itl.n == 4 and m.itl.mean == pytest.approx(0.055) and m.itl.median == pytest.approx(0.05)
+    assert m.itl.mean != pytest.approx((0.2 / 3 + 0.02) / 2)
+    assert m.e2e.n == 3 and m.e2e.mean == pytest.approx((0.30 + 0.32 + 0.20) / 3)
+    assert m.goodput is None and m.n_good is None
+
+
+def test_explicit_duration_is_used():
+    m = serving_metrics(RUN, duration=2.0)
+    assert m.duration == 2.0 and m.output_throughput == pytest.approx(3.5)
+
+
+def test_goodput_by_hand():
+    # A misses TPOT (66.7 ms > 50), B misses TTFT (300 > 250), C has no TPOT and meets TTFT, D failed.
+    m = serving_metrics(RUN, slo=SLO(ttft=0.25, tpot=0.05))
+    assert m.n_good == 1 and m.goodput == pytest.approx(1 / 0.6)
+    assert serving_metrics(RUN, slo=SLO(tpot=0.07)).n_good == 3
+    assert serving_metrics(RUN, slo=SLO(e2e=0.31)).n_good == 2  # A (0.30) and C (0.20)
+    assert not SLO(ttft=1.0).met_by(D)
+
+
+def test_empty_run():
+    with pytest.raises(ValueError, match="pass duration="):
+        serving_metrics([])
+    with pytest.raises(ValueError, match="none with a token"):
+        serving_metrics([D])
+    m = serving_metrics([D], duration=1.0, slo=SLO(ttft=0.1))
+    assert (m.n_completed, m.n_failed, m.output_throughput, m.goodput) == (0, 1, 0.0, 0.0)
+    assert m.ttft.n == 0 and m.ttft.mean is None and m.ttft.p99 is None and m.ttft.percentile(50) is None
+    assert "n/a" in m.table()
+
+
+def test_summarize_and_percentile():
+    s = summarize([4.0, 1.0, 3.0, 2.0])
+    assert (s.n, s.mean, s.median, s.max) == (4, 2.5, 2.5, 4.0)
+    assert s.p90 == pytest.approx(3.7) and s.percentile(25) == pytest.approx(1.75)
+    assert s.ms("mean") == "2500.00"
+    with pytest.raises(ValueError, match="between 0 and 100"):
+        s.percentile(101)
+    empty = summarize([])
+    assert empty.n == 0 and empty.median is None and empty.ms() == "n/a"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_values_are_rejected(bad):
+    with pytest.raises(ValueError, match="not finite"):
+        summarize([1.0, bad])
+    with pytest.raises(ValueError, match="request 1: arrival_time"):
+        serving_metrics([A, RequestTiming(bad, [1.0])])
+    with pytest.raises(ValueError, match=r"token_times\[1\]"):
+        ttft(RequestTiming(0.0, [1.0, bad]))
+
+
+def test_inconsistent_timelines_are_rejected():
+    with pytest.raises(ValueError, match="before its arrival"):
+        ttft(RequestTiming(1.0, [0.5]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        tpot(RequestTiming(0.0, [0.2, 0.1]))
+    with pytest.raises(TypeError, match="token_times"):
+        ttft(object())
+    with pytest.raises(TypeError, match="prompt_len"):
+        serving_metrics([type("R", (), {"arrival_time": 0.0, "token_times": [1.0]})()])
+    with pytest.raises(ValueError, match="duration=0"):
+        serving_metrics(RUN, duration=0)
+    with pytest.raises(TypeError, match="slo must be"):
+        serving_metrics(RUN, slo={"ttft": 0.3})
+
+
+def test_slo_validation():
+    with pytest.raises(ValueError, match="at least one objective"):
+        SLO()
+    with pytest.raises(ValueError, match="tpot=-0.03"):
+        SLO(tpot=-0.03)
+
+
+@given(st.floats(0, 10), st.lists(st.floats(0, 1), min_size=2, max_size=20))
+def test_tpot_is_mean_itl_of_the_request(arrival, gaps):
+    times = [arrival + 0.5]
+    for g in gaps[1:]:
+        times.append(times[-1] + g)
+    r = RequestTiming(arrival, times)
+    assert tpot(r) == pytest.approx(sum(itls(r)) / len(itls(r)), abs=1e-9)
+    assert e2e_latency(r) == pytest.approx(ttft(r) + tpot(r) * (len(times) - 1), abs=1e-9)
+
+
+def test_time_average():
+    assert time_average([0.0, 1.0, 3.0], [2, 4, 0], end=4.0) == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="same length"):
+        time_average([0.0], [1, 2], end=1.0)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        time_average([0.0, 2.0], [1, 2], end=1.0)
+
+
+def test_in_system_and_littles_law():
+    times, counts = in_system(RUN)  # A in [0, 0.30), B in [0.2, 0.52), C in [0.4, 0.60), D never
+    assert times == pytest.approx([0.0, 0.2, 0.3, 0.4, 0.52, 0.6]) and counts == [1, 2, 1, 2, 1, 0]
+    mean_in_system = time_average(times, counts, end=0.6)
+    m = serving_metrics(RUN)
+    # Little's law over a window holding every request whole: L = (completed / window) x mean E2E.
+    assert mean_in_system == pytest.approx(m.request_throughput * m.e2e.mean)
+    with pytest.raises(ValueError, match="nothing was in the system"):
+        in_system([D])
+
+
+def test_plan_reproduces_the_documents():
+    p = plan_for_slo(concurrency=100, output_tokens=200, tpot_slo=0.030, decode_tokens_per_s=2000)
+    assert p.request_time == pytest.approx(6.0)  # 200 x 30 ms
+    assert p.request_rate == pytest.approx(100 / 6)  # 16.7 req/s
+    assert p.decode_tokens_per_s_needed == pytest.approx(100 / 0.03)  # 3333 tok/s
+    assert p.streams_per_device == pytest.approx(60)  # 2000 tok/s x 30 ms = 10 req/s x 6 s
+    assert p.devices == 2 and p.limited_by == "tpot" and p.ttft_estimate is None
+
+
+def test_plan_with_ttft():
+    kw = dict(concurrency=100, output_tokens=200, tpot_slo=0.030, decode_tokens_per_s=2000,
+              ttft_slo=0.300, prompt_tokens=1000, prefill_tokens_per_s=10_000)
+    p = plan_for_slo(**kw)
+    assert p.request_time == pytest.approx(0.3 + 199 * 0.03)
+    assert p.prefill_time == pytest.approx(0.1)
+    assert p.streams_per_device == pytest.approx(60 / (1 + 60 * 0.1 / 6.27))  # 30.7
+    assert p.devices_for_tpot == 4 and p.prompts_per_device_within_ttft == 2  # floor(270 ms / 100 ms)
+    assert p.devices == 4 and p.limited_by == "tpot"
+    assert p.prefill_share == pytest.approx(25 / 6.27 * 0.1)
+    burst = plan_for_slo(**kw, burst=10)  # 10 prompts at once need 5 devices (2 each)
+    assert burst.devices == 5 and burst.limited_by == "ttft"
+    assert burst.ttft_estimate == pytest.approx(0.03 + 2 * 0.1)
+    none = plan_for_slo(**{**kw, "prompt_tokens": 3000})  # 300 ms of prefill + one step > 300 ms
+    assert none.devices is None and none.limited_by.startswith("ttft: one prompt")
+
+
+def test_plan_validation():
+    with pytest.raises(ValueError, match="concurrency=0"):
+        plan_for_slo(0, 200, 0.03, 2000)
+    with pytest.raises(ValueError, match="output_tokens=2.5"):
+        plan_for_slo(100, 2.5, 0.03, 2000)
+    with pytest.raises(ValueError, match="together"):
+        plan_for_slo(100, 200, 0.03, 2000, ttft_slo=0.3)
+    with pytest.raises(ValueError, match="decode_tokens_per_s=nan"):
+        plan_for_slo(100, 200, 0.03, math.nan)

@@ -17,6 +17,7 @@ import torch
 from .config import PRESETS
 from .device import DEVICE_NAMES, DTYPES, resolve_device, resolve_dtype
 from .generate import TokenEvent, check_lengths, stream_generate
+from .metrics import RequestTiming, e2e_latency, tpot, ttft
 from .model import build_model
 from .timing import now
 from .tokenizer import ByteTokenizer
@@ -64,10 +65,9 @@ def timed_run(model, prompt_ids: list[int], max_new_tokens: int, use_cache: bool
     """Tokens and the timings of one greedy run: (tokens, TTFT s, TPOT s or None, tokens/s, total s)."""
     start = now(model.device)
     events = collect(stream_generate(model, prompt_ids, max_new_tokens, use_cache=use_cache), label, max_new_tokens)
-    total = events[-1].time - start
-    ttft = events[0].time - start
-    tpot = (events[-1].time - events[0].time) / (len(events) - 1) if len(events) > 1 else None
-    return [e.token_id for e in events], ttft, tpot, len(events) / total, total
+    timing = RequestTiming(arrival_time=start, token_times=[e.time for e in events])
+    total = e2e_latency(timing)
+    return [e.token_id for e in events], ttft(timing), tpot(timing), len(events) / total, total
 
 
 def near_tie_gap(model, prompt_ids: list[int], common: list[int], a: int, b: int) -> float:

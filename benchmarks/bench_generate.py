@@ -1,0 +1,172 @@
+"""Generation speed, measured side by side in one run on one machine.
+
+1. Naive recompute vs KV-cached decode on the ``tiny`` preset: tokens/s per output length, the cached/naive
+   ratio, and the time of one step against context length (flat with the cache, growing without it).
+2. minillm's cached decode vs ``transformers.LlamaForCausalLM.generate`` on the same config and weights.
+
+Both parts check that the compared paths produce identical greedy tokens.
+
+    python benchmarks/bench_generate.py [--quick] [--threads N] [--repeats R]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Callable, NamedTuple
+
+import torch
+import transformers
+
+from minillm import build_model, get_config, now, stream_generate
+from minillm.hf import to_transformers
+
+PROMPT_LEN = 16
+FULL = dict(lengths=(64, 128, 256, 512, 1024), bucket=128, hf_tokens=256)
+QUICK = dict(lengths=(32, 64, 128, 256), bucket=32, hf_tokens=128)
+TARGET_CACHED_OVER_NAIVE, TARGET_AT = 10.0, 1024  # cached/naive tokens/s at 1024 new tokens
+TARGET_MINILLM_OVER_HF = 1.5
+HF_REPEATS_FACTOR = 3  # part 2's runs are short (well under a second each): more of them steady the median
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="shorter outputs (a few seconds to a minute)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement after one warm-up")
+    args = parser.parse_args()
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads={args.threads} must be >= 1")
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats} must be >= 1")
+    return args
+
+
+class Run(NamedTuple):
+    """One timed generation."""
+
+    tokens: list[int]
+    wall: float  # seconds, prefill + decode (minillm.timing.now: device synchronized)
+    cpu: float  # this process's CPU seconds over the same span (time.process_time)
+    steps: list[float]  # wall seconds of decode step i = 1, 2, ... (context PROMPT_LEN + i tokens)
+
+
+def run_minillm(model, prompt: list[int], n: int, use_cache: bool) -> Run:
+    """One greedy minillm run with EOS disabled, timed token by token."""
+    cpu, start = time.process_time(), now(model.device)
+    events = list(stream_generate(model, prompt, n, use_cache=use_cache, eos_token_id=None))
+    cpu = time.process_time() - cpu
+    steps = [b.time - a.time for a, b in zip(events, events[1:])]
+    return Run([e.token_id for e in events], events[-1].time - start, cpu, steps)
+
+
+def run_transformers(hf_model, prompt: list[int], n: int) -> Run:
+    """``generate``, greedy, for n tokens (the model's config has no EOS)."""
+    ids = torch.tensor([prompt], device=hf_model.device)  # (1, PROMPT_LEN)
+    cpu, start = time.process_time(), now(hf_model.device)
+    with torch.inference_mode():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    wall, cpu = now(hf_model.device) - start, time.process_time() - cpu
+    return Run(out[0, ids.shape[1]:].tolist(), wall, cpu, [])
+
+
+def interleaved(repeats: int, runs: dict[str, Callable[[], Run]]) -> dict[str, list[Run]]:
+    """Each timed repeat runs every contender once, alternating, so a busy machine slows them alike."""
+    results: dict[str, list[Run]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            results[name].append(fn())
+    return results
+
+
+def tokens_per_s(n: int, runs: list[Run], clock: str) -> float:
+    """n / the median seconds of ``clock`` ("wall" or "cpu")."""
+    return n / statistics.median(getattr(r, clock) for r in runs)
+
+
+def check_identical(results: dict[str, list[Run]], what: str) -> bool:
+    """Every run of every contender produced the same tokens; exits with FAIL otherwise."""
+    outputs = {tuple(r.tokens) for runs in results.values() for r in runs}
+    if len(outputs) != 1:
+        sys.exit(f"FAIL: {' and '.join(results)} tokens differ ({what})")
+    return True
+
+
+def naive_vs_cached(model, prompt, lengths, bucket, repeats) -> None:
+    print("\n1. Naive recompute vs KV cache (minillm, same model, greedy)")
+    print(f"{'new tokens':>10} | {'naive tok/s':>11} | {'cached tok/s':>12} | {'cached/naive':>12} | "
+          f"{'CPU-time ratio':>14} | identical tokens")
+    for n in lengths:
+        results = interleaved(repeats, {"naive": lambda: run_minillm(model, prompt, n, False),
+                                        "cached": lambda: run_minillm(model, prompt, n, True)})
+        same = check_identical(results, f"{n} new tokens")
+        naive, cached = (tokens_per_s(n, results[k], "wall") for k in ("naive", "cached"))
+        cpu_ratio = tokens_per_s(n, results["cached"], "cpu") / tokens_per_s(n, results["naive"], "cpu")
+        print(f"{n:>10} | {naive:>11.1f} | {cached:>12.1f} | {cached / naive:>11.1f}x | {cpu_ratio:>13.1f}x | {same}")
+    if n == TARGET_AT:
+        verdict = "met" if cached / naive >= TARGET_CACHED_OVER_NAIVE else "NOT met"
+        print(f"target cached >= {TARGET_CACHED_OVER_NAIVE:.0f}x naive at {n} new tokens: {cached / naive:.1f}x "
+              f"({verdict})")
+    else:
+        print(f"(the target, cached >= {TARGET_CACHED_OVER_NAIVE:.0f}x naive, is for {TARGET_AT} new tokens: "
+              "run without --quick)")
+
+    print(f"\nTime of one decode step against context length (runs of {n} new tokens; median over the steps "
+          f"in each bucket, all {repeats} repeats pooled)")
+    print(f"{'context (tokens)':>16} | {'naive ms/step':>13} | {'cached ms/step':>14} | naive/cached")
+    for lo in range(0, n, bucket):
+        steps = range(max(lo, 1), min(lo + bucket, n))  # step i has context PROMPT_LEN + i; r.steps[i - 1]
+        naive, cached = (1e3 * statistics.median(r.steps[i - 1] for r in results[k] for i in steps)
+                         for k in ("naive", "cached"))
+        span = f"{PROMPT_LEN + steps[0]}-{PROMPT_LEN + steps[-1]}"
+        print(f"{span:>16} | {naive:>13.2f} | {cached:>14.2f} | {naive / cached:>11.1f}x")
+
+
+def minillm_vs_transformers(model, prompt, n, repeats) -> None:
+    hf_model = to_transformers(model, attn_implementation="sdpa", bos_token_id=None, eos_token_id=None,
+                               pad_token_id=0)
+    print(f"\n2. minillm cached decode vs transformers {transformers.__version__} LlamaForCausalLM.generate "
+          f"(same config and weights, attention sdpa in both, batch 1, greedy, {n} new tokens, "
+          f"{repeats} timed runs each)")
+    runs = {"minillm": lambda: run_minillm(model, prompt, n, True),
+            "transformers": lambda: run_transformers(hf_model, prompt, n)}
+    interleaved(1, runs)  # warm-up
+    results = interleaved(repeats, runs)
+    same = check_identical(results, f"{n} new tokens")
+    print(f"{'':>12} | {'tok/s':>8} | {'ms/token':>8} | {'tok/CPU-s':>9}")
+    for name, rs in results.items():
+        wall = tokens_per_s(n, rs, "wall")
+        print(f"{name:>12} | {wall:>8.1f} | {1e3 / wall:>8.2f} | {tokens_per_s(n, rs, 'cpu'):>9.1f}")
+    ratio, cpu_ratio = (tokens_per_s(n, results["minillm"], c) / tokens_per_s(n, results["transformers"], c)
+                        for c in ("wall", "cpu"))
+    verdict = "met" if ratio >= TARGET_MINILLM_OVER_HF else "NOT met"
+    print(f"minillm/transformers tokens/s: {ratio:.2f}x (target >= {TARGET_MINILLM_OVER_HF}x: {verdict}); "
+          f"by CPU time: {cpu_ratio:.2f}x; identical tokens: {same}")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    sizes = QUICK if args.quick else FULL
+    config = get_config("tiny")
+    model = build_model(config, seed=0)
+    prompt = torch.randint(0, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0)).tolist()
+    print(f"bench_generate{' --quick' if args.quick else ''}: torch {torch.__version__}, device {model.device}, "
+          f"dtype {str(model.dtype).removeprefix('torch.')}, threads {torch.get_num_threads()}")
+    print(f"model: tiny preset, {config.n_params / 1e6:.2f}M parameters, {config.n_layers} layers, d_model "
+          f"{config.d_model}, {config.n_heads} heads / {config.n_kv_heads} kv heads, sdpa attention")
+    print(f"workload: batch 1, prompt {PROMPT_LEN} tokens, greedy, EOS disabled (exactly the asked new tokens); "
+          f"warm-up runs first, then {args.repeats} timed runs per contender (part 2: "
+          f"{HF_REPEATS_FACTOR * args.repeats}), alternating; medians")
+    print("tokens/s = new tokens / wall seconds of prefill + all decode steps; the CPU-time ratio uses this "
+          "process's CPU seconds instead (steadier than wall time on a busy machine, with --threads 1)")
+    for use_cache in (False, True):
+        run_minillm(model, prompt, 16, use_cache)  # warm-up
+    naive_vs_cached(model, prompt, sizes["lengths"], sizes["bucket"], args.repeats)
+    minillm_vs_transformers(model, prompt, sizes["hf_tokens"], HF_REPEATS_FACTOR * args.repeats)
+
+
+if __name__ == "__main__":
+    main()

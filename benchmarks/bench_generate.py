@@ -21,6 +21,8 @@ import transformers
 
 from minillm import build_model, get_config, now, stream_generate
 from minillm.hf import to_transformers
+from minillm.memory import streamed_weight_bytes
+from minillm.roofline import measure_bandwidth
 
 PROMPT_LEN = 16
 FULL = dict(lengths=(64, 128, 256, 512, 1024), bucket=128, hf_tokens=256)
@@ -143,6 +145,21 @@ def minillm_vs_transformers(model, prompt, n, repeats) -> None:
     verdict = "met" if ratio >= TARGET_MINILLM_OVER_HF else "NOT met"
     print(f"minillm/transformers tokens/s: {ratio:.2f}x (target >= {TARGET_MINILLM_OVER_HF}x: {verdict}); "
           f"by CPU time: {cpu_ratio:.2f}x; identical tokens: {same}")
+    bandwidth_floor(model, {name: 1 / tokens_per_s(n, rs, "wall") for name, rs in results.items()})
+
+
+def bandwidth_floor(model, seconds_per_token: dict[str, float]) -> None:
+    """What no implementation can beat: every decode step streams all weights from memory once."""
+    weights = streamed_weight_bytes(model.config, model.dtype)
+    bandwidth = measure_bandwidth(device=model.device)  # bytes/s of a large copy, read + write
+    floor = weights / bandwidth
+    print(f"bandwidth floor: {weights / 1e6:.1f} MB of weights a step / {bandwidth / 1e9:.1f} GB/s measured copy "
+          f"bandwidth = {floor * 1e3:.2f} ms/token; time above it (per-step overhead):")
+    above = {name: s - floor for name, s in seconds_per_token.items()}
+    for name, extra in above.items():
+        print(f"{name:>12} | {seconds_per_token[name] * 1e3:.2f} ms/token = floor + {extra * 1e3:.2f} ms")
+    if min(above.values()) > 0:
+        print(f"transformers/minillm overhead above the floor: {above['transformers'] / above['minillm']:.2f}x")
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ class KVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
         self.batch_size, self.max_len = batch_size, max_len
+        self._n_keys, self._shared = 0, None  # the write plan of the current call, set by check_room
 
     @property
     def nbytes(self) -> int:
@@ -34,24 +35,33 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def check_room(self, positions: torch.Tensor) -> None:
-        """Raise ValueError if any position would fall outside the cache."""
+        """Raise ValueError if any position falls outside the cache; plan this call's writes.
+
+        positions: (B, T). When every row writes the same positions (one sequence, or a batch in
+        step), ``update`` writes with one ``index_copy_`` instead of a scatter over rows.
+        """
         top = int(positions.max())
         if top >= self.max_len:
             raise ValueError(f"position {top} does not fit in the cache (max_len={self.max_len})")
+        self._n_keys = top + 1
+        self._shared = positions[0] if bool((positions == positions[:1]).all()) else None  # (T,) or None
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Write new keys/values at ``positions`` and return every row's keys/values so far.
 
-        k, v: (B, n_kv_heads, T, head_dim); positions: (B, T).
-        Returns K, V of shape (B, n_kv_heads, S, head_dim), S = 1 + the largest position written;
-        index j along S holds position j (entries past a row's own length are stale and must be masked
-        by the caller, which the causal mask does).
+        Call ``check_room(positions)`` first (the model does). k, v: (B, n_kv_heads, T, head_dim);
+        positions: (B, T). Returns K, V of shape (B, n_kv_heads, S, head_dim), S = 1 + the largest
+        position written; index j along S holds position j (entries past a row's own length are
+        stale and must be masked by the caller, which the causal mask does).
         """
-        rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
-        self.k[layer][rows, :, positions] = k.transpose(1, 2)  # (B, T, H, D) written by index
-        self.v[layer][rows, :, positions] = v.transpose(1, 2)
-        s = int(positions.max()) + 1
-        return self.k[layer][:, :, :s], self.v[layer][:, :, :s]
+        if self._shared is not None:  # every row writes the same positions
+            self.k[layer].index_copy_(2, self._shared, k)
+            self.v[layer].index_copy_(2, self._shared, v)
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
+            self.k[layer][rows, :, positions] = k.transpose(1, 2)  # (B, T, H, D) written by index
+            self.v[layer][rows, :, positions] = v.transpose(1, 2)
+        return self.k[layer][:, :, :self._n_keys], self.v[layer][:, :, :self._n_keys]
 
     def commit(self, positions: torch.Tensor) -> None:
         """After a forward pass: each row's length becomes its last position + 1."""

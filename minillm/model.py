@@ -99,24 +99,22 @@ class Attention(nn.Module):
         self.impl = "sdpa"
         self.last_weights: torch.Tensor | None = None  # (B, n_heads, T, S) when recorded
 
-    def forward(self, x, cos, sin, positions, cache=None, record_weights: bool = False):
-        B, T, _ = x.shape  # x: (B, T, d_model)
+    def forward(self, x, cos, sin, positions, mask, cache=None, record_weights: bool = False):
+        """x: (B, T, d_model); mask: (B, 1, G*T, S) from ``grouped_mask``, or None when every key is visible."""
+        B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v, positions)  # (B, Hkv, S, D), index = position
-            mask = causal_mask(positions, k.shape[2])  # (B, 1, T, S)
-        else:
-            mask = causal_mask(positions, T) if _is_arange(positions) else _pairwise_mask(positions)
         # GQA without copying K/V: the G query heads that share a kv head become G*T query rows of it.
         G, S = self.n_heads // self.n_kv_heads, k.shape[2]
         q = q.reshape(B, self.n_kv_heads, G * T, self.head_dim)  # (B, Hkv, G*T, D), rows ordered (g, t)
-        mask = mask[:, :, None].expand(-1, -1, G, -1, -1).reshape(B, 1, G * T, S)  # (B, 1, G*T, S)
         if self.impl == "eager" or record_weights:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, Hkv, G*T, S)
-            scores = scores.masked_fill(~mask, float("-inf"))
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
             weights = F.softmax(scores.float(), dim=-1).to(q.dtype)
             if record_weights:
                 self.last_weights = weights.detach().view(B, self.n_heads, T, S)
@@ -125,6 +123,23 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, Hkv, G*T, D)
         out = out.view(B, self.n_heads, T, self.head_dim)  # (B, H, T, D): head h = kv head h // G
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+def attention_mask(positions: torch.Tensor, n_keys: int, groups: int, cached: bool) -> torch.Tensor | None:
+    """The causal mask of one forward pass, laid out for grouped heads: (B, 1, groups*T, n_keys), or None.
+
+    Keys are indexed by position. With a cache, key j is visible to a query at position p iff j <= p
+    (``causal_mask``); a decode step whose rows all sit at the last position sees every key, so it
+    needs no mask at all. Without a cache the keys are the queries themselves.
+    """
+    B, T = positions.shape
+    if cached:
+        if T == 1 and n_keys - 1 == int(positions.min()):
+            return None
+        mask = causal_mask(positions, n_keys)  # (B, 1, T, S)
+    else:
+        mask = causal_mask(positions, T) if _is_arange(positions) else _pairwise_mask(positions)
+    return mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(B, 1, groups * T, mask.shape[-1])
 
 
 def _is_arange(positions: torch.Tensor) -> bool:
@@ -160,8 +175,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, positions, cache=None, record_weights=False):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, record_weights)
+    def forward(self, x, cos, sin, positions, mask, cache=None, record_weights=False):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache, record_weights)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -224,16 +239,16 @@ class CausalLM(nn.Module):
             raise TypeError(f"positions must be integers, got dtype {positions.dtype}")
         if positions.shape != input_ids.shape:
             raise ValueError(f"positions shape {tuple(positions.shape)} != input_ids shape {tuple(input_ids.shape)}")
-        limit = self.config.max_seq_len
-        if int(positions.max()) >= limit or int(positions.min()) < 0:
-            raise ValueError(f"positions span [{int(positions.min())}, {int(positions.max())}], "
-                             f"outside [0, max_seq_len={limit})")
+        limit, lo, hi = self.config.max_seq_len, int(positions.min()), int(positions.max())
+        if hi >= limit or lo < 0:
+            raise ValueError(f"positions span [{lo}, {hi}], outside [0, max_seq_len={limit})")
         if cache is not None:
             cache.check_room(positions)
+        mask = attention_mask(positions, hi + 1 if cache is not None else T, self.config.n_groups, cache is not None)
         x = self.model.embed_tokens(input_ids)  # (B, T, d_model)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, positions, cache, record_attention)
+            x = layer(x, cos, sin, positions, mask, cache, record_attention)
         if cache is not None:
             cache.commit(positions)
         return self.lm_head(self.model.norm(x))  # (B, T, vocab_size)

@@ -55,6 +55,7 @@ def test_update_writes_by_position_and_commit_sets_lengths():
     cache = KVCache(config, 2, 6)
     k = torch.arange(2 * 2 * 2 * 10, dtype=torch.float32).view(2, 2, 2, 10)  # (B, Hkv, T=2, D)
     positions = torch.tensor([[0, 1], [3, 4]])  # row 1 writes at positions 3 and 4
+    cache.check_room(positions)  # the protocol: plan the call's writes first
     K, V = cache.update(0, k, -k, positions)
     assert K.shape == V.shape == (2, 2, 5, 10)  # S = 1 + the largest position written
     torch.testing.assert_close(K[0, :, 0:2], k[0])

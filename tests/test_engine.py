@@ -147,6 +147,7 @@ def test_paged_cache_returns_keys_by_position_like_the_contiguous_cache():
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]])  # (2, 8)
     k = torch.randn(2, CONFIG.n_kv_heads, 8, CONFIG.head_dim)
     view.check_room(positions)
+    contiguous.check_room(positions)
     K, V = view.update(1, k, k + 1, positions)
     K_ref, V_ref = contiguous.update(1, k, k + 1, positions)
     assert K.shape == K_ref.shape == (2, CONFIG.n_kv_heads, 8, CONFIG.head_dim)

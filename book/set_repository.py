@@ -1,4 +1,4 @@
-"""Copy `repository.url` from _config.yml into every chapter's Colab install cell.
+"""Copy `repository.url` from _config.yml into every chapter's Colab install cell and the README.
 
 A fork changes the URL in _config.yml once, then runs:  python book/set_repository.py
 """
@@ -36,6 +36,12 @@ def main() -> None:
             cell["source"] = new.splitlines(keepends=True)
             path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
             print(f"updated {path.relative_to(ROOT)}")
+    readme = ROOT / "README.md"
+    text = readme.read_text(encoding="utf-8")
+    new = URL_IN_CELL.sub(f"git+{url}", text)
+    if new != text:
+        readme.write_text(new, encoding="utf-8")
+        print("updated README.md")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,13 @@ def test_install_cell_uses_the_configured_repository(path):
     assert f"minillm @ git+{url}" in source, f"{path.name} installs from another URL than {url}"
 
 
+def test_readme_installs_from_the_configured_repository():
+    url = _load_set_repository().repository_url()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"minillm @ git+{url}" in readme
+    assert readme.count("git+https://") == readme.count(f"git+{url}")
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_chapter_is_executed_and_complete(path):
     cells = _cells(path)

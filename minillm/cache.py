@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_int
 from .config import ModelConfig
 
 
@@ -18,8 +19,7 @@ class KVCache:
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         max_len = config.max_seq_len if max_len is None else max_len
-        if not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
+        check_int("batch_size", batch_size)
         if not isinstance(max_len, int) or not 0 < max_len <= config.max_seq_len:
             raise ValueError(f"max_len={max_len!r} must be in [1, max_seq_len={config.max_seq_len}]")
         shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)

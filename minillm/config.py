@@ -1,7 +1,9 @@
 """Model configuration: a validated dataclass and named presets."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
+
+from .checks import check_int
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         sizes = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")
         for name in sizes + (("head_dim",) if self.head_dim is not None else ()):
-            _check_positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         if self.head_dim is None:
             if self.d_model % self.n_heads != 0:
                 raise ValueError(
@@ -87,13 +89,6 @@ class ModelConfig:
         return replace(self, **changes)
 
 
-def _check_positive_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be an integer")
-    if value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer (> 0)")
-
-
 PRESETS: dict[str, ModelConfig] = {
     # ~2.9M parameters, GQA 8:2; byte-level vocabulary (256 bytes + BOS + EOS).
     "tiny": ModelConfig(),
@@ -113,5 +108,3 @@ def get_config(name: str, **overrides) -> ModelConfig:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name].with_(**overrides) if overrides else PRESETS[name]
 
-
-CONFIG_FIELDS = tuple(f.name for f in fields(ModelConfig))

@@ -40,8 +40,3 @@ def resolve_dtype(dtype: str | torch.dtype = "float32") -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {list(DTYPES)}")
     return DTYPES[dtype]
-
-
-def dtype_bytes(dtype: str | torch.dtype) -> int:
-    """Bytes per element of a floating dtype."""
-    return torch.empty((), dtype=resolve_dtype(dtype)).element_size()

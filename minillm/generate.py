@@ -11,6 +11,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .cache import KVCache
+from .checks import check_int
 from .sampling import SamplingParams, sample
 from .timing import now
 
@@ -42,10 +43,7 @@ def as_prompt_tensor(prompt_ids, vocab_size: int, device) -> torch.Tensor:
 
 def check_lengths(prompt_len: int, max_new_tokens: int, max_len: int, limit_name: str = "max_seq_len") -> None:
     """prompt + new tokens must fit in ``max_len`` (the context or a cache); nothing is cut silently."""
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
-        raise TypeError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be >= 1")
+    check_int("max_new_tokens", max_new_tokens)
     if prompt_len + max_new_tokens > max_len:
         raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} = "
                          f"{prompt_len + max_new_tokens} exceeds {limit_name}={max_len}")

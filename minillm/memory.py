@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from .checks import check_int
 from .config import ModelConfig, get_config
 
 BYTES_PER_ELEMENT: dict[str, int] = {
@@ -45,15 +46,6 @@ def _config(config: ModelConfig | str) -> ModelConfig:
     return config
 
 
-def _count(name: str, value, minimum: int = 1) -> int:
-    """``value`` as an int >= ``minimum``, else ValueError/TypeError naming it."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be an integer")
-    if value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}")
-    return value
-
-
 # --- memory --------------------------------------------------------------------------------------
 
 def kv_bytes_per_token(config: ModelConfig | str, dtype: str | torch.dtype = "float16") -> int:
@@ -69,9 +61,9 @@ def kv_cache_bytes(config: ModelConfig | str, seq_len: int, batch_size: int = 1,
     ``window``: sliding-window attention keeps only the last ``window`` positions, so S = min(seq_len,
     window). GQA/MQA enter through ``config.n_kv_heads``.
     """
-    _count("seq_len", seq_len)
-    _count("batch_size", batch_size)
-    kept = seq_len if window is None else min(seq_len, _count("window", window))
+    check_int("seq_len", seq_len)
+    check_int("batch_size", batch_size)
+    kept = seq_len if window is None else min(seq_len, check_int("window", window))
     return kv_bytes_per_token(config, dtype) * kept * batch_size
 
 
@@ -113,7 +105,7 @@ def prefill_flops(config: ModelConfig | str, prompt_len: int) -> int:
     (A dense kernel that computes the masked half too does about twice the attention work.)
     """
     c = _config(config)
-    t = _count("prompt_len", prompt_len)
+    t = check_int("prompt_len", prompt_len)
     return 2 * matmul_params(c) * t + _attention_flops_per_query(c, t * (t + 1) // 2)
 
 
@@ -121,7 +113,7 @@ def decode_flops(config: ModelConfig | str, context_len: int) -> int:
     """Matmul FLOPs of one decode step of one sequence whose new token attends ``context_len``
     positions (itself included): 2 x matmul_params + 4 x L x H x D x context_len."""
     c = _config(config)
-    return 2 * matmul_params(c) + _attention_flops_per_query(c, _count("context_len", context_len))
+    return 2 * matmul_params(c) + _attention_flops_per_query(c, check_int("context_len", context_len))
 
 
 def generation_flops(config: ModelConfig | str, prompt_len: int, new_tokens: int,
@@ -131,8 +123,8 @@ def generation_flops(config: ModelConfig | str, prompt_len: int, new_tokens: int
     Cached: one prefill over the prompt, then ``new_tokens - 1`` decode steps (the last token is
     never fed back). Naive: a full forward over prompt_len + i tokens for i = 0 .. new_tokens-1.
     """
-    _count("prompt_len", prompt_len)
-    _count("new_tokens", new_tokens)
+    check_int("prompt_len", prompt_len)
+    check_int("new_tokens", new_tokens)
     if use_cache:
         return prefill_flops(config, prompt_len) + sum(
             decode_flops(config, prompt_len + i + 1) for i in range(new_tokens - 1))
@@ -201,10 +193,10 @@ def plan_capacity(device_bytes: int, weight_bytes: int, reserve_bytes: int, requ
                   target_concurrency: int | None = None) -> CapacityPlan:
     """Requests per device = floor((device - weights - reserve) / request); devices for a target
     concurrency = ceil(target / requests per device). All arguments in bytes."""
-    _count("device_bytes", device_bytes)
-    _count("weight_bytes", weight_bytes, minimum=0)
-    _count("reserve_bytes", reserve_bytes, minimum=0)
-    _count("request_bytes", request_bytes)
+    check_int("device_bytes", device_bytes)
+    check_int("weight_bytes", weight_bytes, minimum=0)
+    check_int("reserve_bytes", reserve_bytes, minimum=0)
+    check_int("request_bytes", request_bytes)
     free = device_bytes - weight_bytes - reserve_bytes
     if free <= 0:
         raise ValueError(f"weights ({weight_bytes} B) + reserve ({reserve_bytes} B) leave no room on a "
@@ -212,7 +204,7 @@ def plan_capacity(device_bytes: int, weight_bytes: int, reserve_bytes: int, requ
     per_device = free // request_bytes
     devices = None
     if target_concurrency is not None:
-        _count("target_concurrency", target_concurrency)
+        check_int("target_concurrency", target_concurrency)
         if per_device == 0:
             raise ValueError(f"one request needs {request_bytes} B but a device has only {free} B free; "
                              f"no number of devices serves target_concurrency={target_concurrency}")
@@ -232,15 +224,15 @@ def reserved_slots(lengths: Sequence[int], max_len: int | None = None,
     """
     if (max_len is None) == (block_size is None):
         raise ValueError(f"give exactly one of max_len={max_len!r} and block_size={block_size!r}")
-    lengths = [_count("length", n) for n in lengths]
+    lengths = [check_int("length", n) for n in lengths]
     if not lengths:
         raise ValueError("lengths is empty; give at least one sequence length")
     if max_len is not None:
-        _count("max_len", max_len)
+        check_int("max_len", max_len)
         if max(lengths) > max_len:
             raise ValueError(f"a sequence of length {max(lengths)} exceeds max_len={max_len}")
         return max_len * len(lengths)
-    _count("block_size", block_size)
+    check_int("block_size", block_size)
     return sum(-(-n // block_size) * block_size for n in lengths)
 
 

@@ -15,15 +15,11 @@ import numpy as np
 import torch
 
 from .cache import KVCache
+from .checks import check_int
 from .device import resolve_device, resolve_dtype
 from .timing import now
 
 Clock = Callable[[torch.device], float]
-
-
-def _check_positive_int(name: str, value, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
@@ -33,8 +29,8 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
     ``clock(device)`` must synchronize the device before reading the time (``minillm.timing.now``
     does); tests pass a fake clock.
     """
-    _check_positive_int("repeats", repeats)
-    _check_positive_int("warmup", warmup, minimum=0)
+    check_int("repeats", repeats)
+    check_int("warmup", warmup, minimum=0)
     for _ in range(warmup):
         fn()
     seconds = []
@@ -47,7 +43,7 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
 
 def matmul_flops(n: int) -> int:
     """FLOPs of an (n, n) @ (n, n) matmul: n^2 outputs, each n multiplies and n adds."""
-    _check_positive_int("n", n)
+    check_int("n", n)
     return 2 * n ** 3
 
 
@@ -59,7 +55,7 @@ def measure_matmul_flops(n: int = 512, dtype: str | torch.dtype = "float32",
     Pick ``n`` so one call takes a few milliseconds: 512 on a laptop CPU, 4096 or more on a GPU
     (a small matmul cannot fill a GPU and reports far below its peak).
     """
-    _check_positive_int("n", n)
+    check_int("n", n)
     device, dtype = resolve_device(device), resolve_dtype(dtype)
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=generator).to(device=device, dtype=dtype)  # (n, n)
@@ -76,7 +72,7 @@ def measure_bandwidth(n_bytes: int = 64 * 2 ** 20, device: str | torch.device = 
     ``n_bytes`` larger than the last-level cache (tens of MiB on a CPU, ~50 MiB of L2 on recent
     GPUs), or the probe measures the cache instead of main memory.
     """
-    _check_positive_int("n_bytes", n_bytes, minimum=4)
+    check_int("n_bytes", n_bytes, minimum=4)
     device = resolve_device(device)
     src = torch.ones(n_bytes // 4, device=device, dtype=torch.float32)  # (n_bytes/4,)
     dst = torch.empty_like(src)
@@ -96,8 +92,8 @@ def time_prefill(model, prompt_len: int, batch_size: int = 1, repeats: int = 3,
                  clock: Clock = now) -> float:
     """Median seconds of one prefill: a forward over ``batch_size`` prompts of ``prompt_len`` random
     tokens, written into an empty KV cache (the cache is reset, not reallocated, between calls)."""
-    _check_positive_int("prompt_len", prompt_len)
-    _check_positive_int("batch_size", batch_size)
+    check_int("prompt_len", prompt_len)
+    check_int("batch_size", batch_size)
     ids = _random_ids(model, batch_size, prompt_len)  # (B, T)
     cache = KVCache(model.config, batch_size, prompt_len, model.device, model.dtype)
 
@@ -119,8 +115,8 @@ def time_decode_step(model, context_len: int, batch_size: int = 1, repeats: int 
     the probe cheap at long contexts and large batches. Every timed call writes the same last
     position, so all calls do identical work.
     """
-    _check_positive_int("context_len", context_len)
-    _check_positive_int("batch_size", batch_size)
+    check_int("context_len", context_len)
+    check_int("batch_size", batch_size)
     cache = KVCache(model.config, batch_size, context_len, model.device, model.dtype)
     token = _random_ids(model, batch_size, 1)  # (B, 1)
     positions = torch.full((batch_size, 1), context_len - 1, device=model.device)  # (B, 1)

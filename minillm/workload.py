@@ -5,7 +5,7 @@ import math
 import random
 from typing import Sequence
 
-from .engine.block_manager import check_positive_int
+from .checks import check_int
 from .engine.request import Request
 from .sampling import SamplingParams
 
@@ -19,8 +19,7 @@ def poisson_arrivals(n: int, rate: float, seed: int, burstiness: float = 1.0) ->
     (vLLM's benchmark_serving): burstiness 1 is a Poisson process, < 1 burstier, > 1 more regular.
     ``rate=math.inf`` means all at once.
     """
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"n={n!r} must be an integer >= 0")
+    check_int("n", n, minimum=0)
     if not isinstance(rate, (int, float)) or not rate > 0:
         raise ValueError(f"rate={rate!r} requests/s must be > 0 (math.inf for all at once)")
     if not isinstance(burstiness, (int, float)) or not 0 < burstiness < math.inf:
@@ -48,8 +47,8 @@ def _check_range(name: str, bounds) -> tuple[int, int]:
     if not (isinstance(bounds, (tuple, list)) and len(bounds) == 2):
         raise TypeError(f"{name}={bounds!r} must be a (low, high) pair of ints")
     lo, hi = bounds
-    check_positive_int(f"{name}[0]", lo)
-    check_positive_int(f"{name}[1]", hi)
+    check_int(f"{name}[0]", lo)
+    check_int(f"{name}[1]", hi)
     if lo > hi:
         raise ValueError(f"{name}={tuple(bounds)}: low {lo} > high {hi}")
     return lo, hi
@@ -67,10 +66,9 @@ def random_requests(n: int, prompt_len: tuple[int, int], output_len: tuple[int, 
     benchmark) each request produces exactly that many tokens. Request ids are 0..n-1; each request
     gets its own sampling seed.
     """
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"n={n!r} must be an integer >= 0")
+    check_int("n", n, minimum=0)
     p_range, o_range = _check_range("prompt_len", prompt_len), _check_range("output_len", output_len)
-    check_positive_int("vocab_size", vocab_size)
+    check_int("vocab_size", vocab_size)
     if length_dist not in LENGTH_DISTS:
         raise ValueError(f"unknown length_dist {length_dist!r}; choose one of {LENGTH_DISTS}")
     if not isinstance(seed, int) or isinstance(seed, bool):

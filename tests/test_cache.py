@@ -4,12 +4,12 @@ import torch
 from conftest import SMALL, random_ids
 
 from minillm import KVCache, ModelConfig, generate, get_config
-from minillm.device import dtype_bytes
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # per element, by hand
 
 
 def formula_bytes(config: ModelConfig, batch: int, length: int, dtype: str) -> int:
     """2 (K and V) x layers x batch x kv_heads x length x head_dim x bytes per element."""
-    return 2 * config.n_layers * batch * config.n_kv_heads * length * config.head_dim * dtype_bytes(dtype)
+    return 2 * config.n_layers * batch * config.n_kv_heads * length * config.head_dim * BYTES[dtype]
 
 
 @pytest.mark.parametrize("config", [get_config("tiny"), SMALL, SMALL.with_(n_kv_heads=1),
@@ -75,14 +75,14 @@ def test_check_room():
         cache.check_room(torch.tensor([[6, 7, 8]]))
 
 
-@pytest.mark.parametrize("batch, max_len, words", [
-    (0, 8, ["batch_size=0", "positive"]),
-    (1.5, 8, ["batch_size=1.5", "positive"]),
-    (1, 0, ["max_len=0", "max_seq_len=64"]),
-    (1, 65, ["max_len=65", "max_seq_len=64"]),
+@pytest.mark.parametrize("batch, max_len, kind, words", [
+    (0, 8, ValueError, ["batch_size=0", ">= 1"]),
+    (1.5, 8, TypeError, ["batch_size=1.5", "integer"]),
+    (1, 0, ValueError, ["max_len=0", "max_seq_len=64"]),
+    (1, 65, ValueError, ["max_len=65", "max_seq_len=64"]),
 ])
-def test_bad_cache_arguments(batch, max_len, words):
-    with pytest.raises(ValueError) as info:
+def test_bad_cache_arguments(batch, max_len, kind, words):
+    with pytest.raises(kind) as info:
         KVCache(SMALL, batch, max_len)
     for word in words:
         assert word in str(info.value)

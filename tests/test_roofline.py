@@ -85,9 +85,10 @@ def test_roofline_rejects_negative_intensity():
         roofline(np.array([1.0, -2.0]), 1e9, 1e9)
 
 
-@pytest.mark.parametrize("kwargs, name", [({"n": 0}, "n="), ({"n": 2.5}, "n="), ({"repeats": 0}, "repeats=")])
-def test_matmul_probe_rejects_bad_sizes(kwargs, name):
-    with pytest.raises(ValueError, match=name):
+@pytest.mark.parametrize("kwargs, kind, name", [({"n": 0}, ValueError, "n="), ({"n": 2.5}, TypeError, "n="),
+                                                ({"repeats": 0}, ValueError, "repeats=")])
+def test_matmul_probe_rejects_bad_sizes(kwargs, kind, name):
+    with pytest.raises(kind, match=name):
         measure_matmul_flops(**kwargs)
 
 

@@ -3,13 +3,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from ..checks import check_int
 from .request import Sequence
-
-
-def check_positive_int(name: str, value) -> None:
-    """ValueError unless ``value`` is an int >= 1 (bools are not ints here)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:
@@ -21,8 +16,8 @@ class BlockManager:
     """A free list over block ids ``0 .. num_blocks-1``; a block belongs to at most one sequence."""
 
     def __init__(self, num_blocks: int, block_size: int):
-        check_positive_int("num_blocks", num_blocks)
-        check_positive_int("block_size", block_size)
+        check_int("num_blocks", num_blocks)
+        check_int("block_size", block_size)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free_ids: deque[int] = deque(range(num_blocks))
 

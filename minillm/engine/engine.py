@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int
 from ..sampling import sample
 from ..timing import now
-from .block_manager import BlockManager, blocks_for, check_positive_int
+from .block_manager import BlockManager, blocks_for
 from .paged_cache import PagedBatchCache, PagedKVPool
 from .request import Request, RequestRecord, Sequence
 from .scheduler import Scheduler
@@ -59,8 +60,8 @@ class Engine:
     def __init__(self, model, policy: str = "continuous", max_batch_size: int = 8,
                  num_blocks: int | None = None, block_size: int = 16, eos_token_id: int | None = None):
         config = model.config
-        check_positive_int("max_batch_size", max_batch_size)
-        check_positive_int("block_size", block_size)
+        check_int("max_batch_size", max_batch_size)
+        check_int("block_size", block_size)
         if num_blocks is None:
             num_blocks = max_batch_size * blocks_for(config.max_seq_len, block_size)
         self.model, self.eos_token_id = model, eos_token_id
@@ -86,7 +87,7 @@ class Engine:
                 s.arrival_time = float(s.request.arrival_time)
             pending, unreleased = deque(sorted(seqs, key=lambda s: s.arrival_time)), deque()
         else:
-            check_positive_int("concurrency", concurrency)
+            check_int("concurrency", concurrency)
             pending, unreleased = deque(seqs[:concurrency]), deque(seqs[concurrency:])
             for s in pending:
                 s.arrival_time = 0.0

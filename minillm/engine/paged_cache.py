@@ -28,10 +28,6 @@ class PagedKVPool:
         """Bytes of all K and V blocks (the whole budget, allocated up front)."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    @property
-    def bytes_per_block(self) -> int:
-        return self.nbytes // self.num_blocks
-
     def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of one layer viewed as (num_blocks * block_size, n_kv_heads, head_dim) token slots."""
         return self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)

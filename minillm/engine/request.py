@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import check_int
 from ..sampling import SamplingParams
 
 
@@ -35,10 +36,7 @@ class Request:
                 isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise TypeError(f"prompt_ids of request {self.request_id!r} must be a list of ints")
         object.__setattr__(self, "prompt_ids", list(ids))
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise TypeError(f"max_tokens={self.max_tokens!r} must be an int")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+        check_int("max_tokens", self.max_tokens)
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"sampling={self.sampling!r} must be a SamplingParams")
         if not isinstance(self.arrival_time, (int, float)) or not 0 <= self.arrival_time < math.inf:

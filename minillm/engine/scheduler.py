@@ -4,7 +4,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .block_manager import BlockManager, check_positive_int
+from ..checks import check_int
+from .block_manager import BlockManager
 from .request import Sequence
 
 POLICIES = ("continuous", "static")
@@ -37,7 +38,7 @@ class Scheduler:
     def __init__(self, policy: str, max_batch_size: int, blocks: BlockManager):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
-        check_positive_int("max_batch_size", max_batch_size)
+        check_int("max_batch_size", max_batch_size)
         self.policy, self.max_batch_size, self.blocks = policy, max_batch_size, blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of admission

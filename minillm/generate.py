@@ -28,6 +28,9 @@ class TokenEvent:
 
 def as_prompt_tensor(prompt_ids, vocab_size: int, device) -> torch.Tensor:
     """A list/1-D tensor of integer ids -> (1, T) long tensor on ``device``, validated."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise TypeError(f"prompt_ids is text ({prompt_ids[:40]!r}), not token ids; encode it first: "
+                        "tokenizer.encode(text)")
     ids = torch.as_tensor(prompt_ids)
     if ids.dim() != 1:
         raise ValueError(f"prompt_ids must be one sequence (1-D), got shape {tuple(ids.shape)}")

@@ -125,6 +125,14 @@ def load_state_dict_into(model: CausalLM, state_dict: dict[str, torch.Tensor]) -
     return model
 
 
+def read_json(path: Path) -> dict:
+    """A JSON file as a dict; invalid JSON is a ValueError naming the file."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+
+
 def _read_weights(file: Path) -> dict[str, torch.Tensor]:
     """One weight file -> state dict on the CPU, never unpickling code."""
     if file.suffix == ".safetensors":
@@ -138,7 +146,7 @@ def _weight_files(path: Path) -> list[Path]:
     """The checkpoint's weight files: a single file, or the shards listed by an index."""
     for name in INDEX_FILES:
         if (path / name).is_file():
-            weight_map = json.loads((path / name).read_text())["weight_map"]
+            weight_map = read_json(path / name)["weight_map"]
             return [path / shard for shard in sorted(set(weight_map.values()))]
     for name in WEIGHT_FILES:
         if (path / name).is_file():
@@ -146,14 +154,26 @@ def _weight_files(path: Path) -> list[Path]:
     raise ValueError(f"{path} holds none of {WEIGHT_FILES + INDEX_FILES}")
 
 
+def empty_model(config: ModelConfig, device="cpu", dtype="float32") -> CausalLM:
+    """A model with uninitialized weights on ``device`` in ``dtype``, ready for a checkpoint's state dict.
+
+    Built on the meta device, so no time is spent drawing random weights that are overwritten next.
+    """
+    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device=device).to(dtype=dtype)  # the rotary frequencies are recomputed
+    if config.tie_embeddings:  # to_empty gives each module its own tensor; tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
 def load_checkpoint(path: str | Path, device="cpu", dtype="float32") -> CausalLM:
     """A directory with ``config.json`` and Hugging Face LLaMA weights -> CausalLM in eval mode."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} has no config.json; give a Hugging Face checkpoint directory")
-    config = config_from_hf(json.loads((path / "config.json").read_text()))
-    device, dtype = resolve_device(device), resolve_dtype(dtype)
-    model = CausalLM(config).to(device=device, dtype=dtype)
+    model = empty_model(config_from_hf(read_json(path / "config.json")), device, dtype)
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         state.update(_read_weights(file))

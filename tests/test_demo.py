@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-import minillm.__main__ as demo
+import minillm.demo as demo
 
 
 def run_demo(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

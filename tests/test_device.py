@@ -1,4 +1,4 @@
-"""Device and dtype names, the synchronizing clock, and the notebook helpers."""
+"""Device and dtype names, the synchronizing clock, and the notebook's device picker."""
 import pytest
 import torch
 
@@ -78,6 +78,3 @@ def test_pick_device_without_a_gpu(no_cuda, capsys):
     assert minillm.notebook.pick_device(verbose=False) == (device, dtype)
     assert capsys.readouterr().out == ""
 
-
-def test_glue_returns_the_value():
-    assert minillm.notebook.glue("test_value", 3.5) == 3.5

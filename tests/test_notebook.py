@@ -1,0 +1,80 @@
+"""The notebook helpers: checked claims, hardware-dependent cases, source excerpts, the figure style."""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import linecache
+import sys
+import textwrap
+
+import matplotlib
+import pytest
+
+from minillm import KVCache, generate
+from minillm.notebook import WIDTH, ClaimFailed, check, show_source, use_book_style, which_case
+
+
+def test_check_prints_claim_evidence_and_pass(capsys):
+    check("the cache is faster", 3.2 > 1.5, "cached/naive = 3.2x (median of 5)")
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["claim:    the cache is faster", "evidence: cached/naive = 3.2x (median of 5)",
+                   "result:   PASS"]
+
+
+def test_check_fails_the_run_when_the_claim_does_not_hold(capsys):
+    with pytest.raises(ClaimFailed, match="the cache is faster -- not on this run: ratio 0.9x"):
+        check("the cache is faster", False, "ratio 0.9x")
+    assert capsys.readouterr().out.splitlines()[-1] == "result:   FAIL"
+
+
+def test_check_wraps_long_lines_to_the_column(capsys):
+    check("x " * 100, True, "y " * 100)
+    assert all(len(line) <= WIDTH for line in capsys.readouterr().out.splitlines())
+
+
+def test_which_case_names_the_one_that_holds(capsys):
+    case = which_case("is decode memory-bound here?", {"yes: weights stream from DRAM": True,
+                                                      "no: weights sit in cache": False}, "5.1 ms/step")
+    assert case == "yes: weights stream from DRAM"
+    assert capsys.readouterr().out.splitlines()[-1] == "here:     yes: weights stream from DRAM"
+
+
+@pytest.mark.parametrize("cases", [{"a": True, "b": True}, {"a": False, "b": False}])
+def test_which_case_needs_exactly_one(cases):
+    with pytest.raises(ClaimFailed, match="exactly one case"):
+        which_case("q", cases, "e")
+
+
+def test_show_source_is_the_library_source_now():
+    excerpt = show_source(KVCache.update)
+    markdown = excerpt._repr_markdown_()
+    assert excerpt.source == textwrap.dedent(inspect.getsource(KVCache.update))
+    assert markdown.startswith("`KVCache.update` from `minillm/cache.py, lines ")
+    assert "```python\ndef update(self, layer" in markdown
+
+
+def test_show_source_follows_a_change_of_the_function(tmp_path, monkeypatch):
+    """What a page shows is read from the library when the cell runs: edit the code, the excerpt changes."""
+    path = tmp_path / "probe.py"
+    path.write_text("def f():\n    return 1\n")
+    spec = importlib.util.spec_from_file_location("minillm._probe", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "minillm._probe", module)
+    spec.loader.exec_module(module)
+    assert "return 1" in show_source(module.f)._repr_markdown_()
+    path.write_text("def f():\n    return 2  # changed\n")
+    linecache.checkcache(str(path))
+    spec.loader.exec_module(module)
+    assert "return 2  # changed" in show_source(module.f)._repr_markdown_()
+
+
+def test_show_source_refuses_code_outside_minillm():
+    with pytest.raises(ValueError, match="not part of minillm"):
+        show_source(textwrap.dedent)
+    assert "def generate(" in show_source(generate).source
+
+
+def test_use_book_style_sets_readable_sizes():
+    use_book_style()
+    assert matplotlib.rcParams["font.size"] >= 10 and matplotlib.rcParams["legend.fontsize"] >= 9
+    assert matplotlib.rcParams["figure.figsize"][0] <= 8

@@ -9,6 +9,9 @@ Workloads (random token ids, ``ignore_eos``, so every request produces exactly i
 Throughput = output tokens / wall time of the run (idle gaps between arrivals included: the engine
 jumps over them instead of sleeping, and adds them to the clock). TTFT and TPOT are per request
 (minillm.metrics, vLLM's definitions); p50 = median. One run each, on one machine, in one process.
+Both policies run the engine's default steps: mixed (decode rows and prefill chunks in one model call)
+under a budget of 2048 tokens, which splits prompts only when one step's admissions exceed it
+(bench_engine.py compares the step modes).
 
 Why two length distributions: a static batch lasts as long as its longest request. With uniform
 output lengths the longest of 16 is under twice the mean, so continuous batching cannot save even

@@ -22,7 +22,9 @@ def repository_url() -> str:
 
 
 def chapters() -> list[pathlib.Path]:
-    return sorted(p for p in (ROOT / "book").glob("*.ipynb"))
+    """Every notebook under book/ (the chapters and the labs)."""
+    return sorted(p for p in (ROOT / "book").rglob("*.ipynb")
+                  if "_build" not in p.parts and ".ipynb_checkpoints" not in p.parts)
 
 
 def main() -> None:

@@ -49,17 +49,19 @@ class KVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Write new keys/values at ``positions`` and return every row's keys/values so far.
 
-        Call ``check_room(positions)`` first (the model does). k, v: (B, n_kv_heads, T, head_dim);
-        positions: (B, T). Returns K, V of shape (B, n_kv_heads, S, head_dim), S = 1 + the largest
-        position written; index j along S holds position j (entries past a row's own length are
-        stale and must be masked by the caller, which the causal mask does).
+        Call ``check_room(positions)`` first (the model does).
+        k, v: (B, n_kv_heads, T, head_dim); positions: (B, T).
+        Returns K, V of shape (B, n_kv_heads, S, head_dim), S = 1 + the largest position
+        written; index j along S holds position j (entries past a row's own length are stale
+        and must be masked by the caller, which the causal mask does).
         """
         if self._shared is not None:  # every row writes the same positions
             self.k[layer].index_copy_(2, self._shared, k)
             self.v[layer].index_copy_(2, self._shared, v)
         else:
             rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
-            self.k[layer][rows, :, positions] = k.transpose(1, 2)  # (B, T, H, D) written by index
+            # (B, T, H, D) written by index
+            self.k[layer][rows, :, positions] = k.transpose(1, 2)
             self.v[layer][rows, :, positions] = v.transpose(1, 2)
         return self.k[layer][:, :, :self._n_keys], self.v[layer][:, :, :self._n_keys]
 

@@ -1,59 +1,155 @@
 """Command-line demo: ``python -m minillm``.
 
-Builds a small model with RANDOM weights (so the generated text is gibberish), generates greedily
-with the naive path (the whole sequence recomputed every step) and the cached path (one prefill,
-then one token per decode step with a KV cache), checks that both give the same tokens, and prints
-TTFT, TPOT and tokens/s of both side by side.
-Exit status: 0 when the paths agree, 1 when they disagree, 2 for a bad argument.
+``--model smollm2`` (the default): the trained SmolLM2-135M-Instruct (``minillm.load_pretrained``). A prompt
+in, the text streamed out token by token as the cached path generates it; ``--chat`` wraps the prompt in the
+chat template, and generation stops at the end-of-turn token ``<|im_end|>``. Then TTFT, TPOT and tokens/s of
+the run. ``--compare`` also runs the naive path (the whole sequence recomputed every step) and checks that it
+gives the same tokens.
+
+``--model tiny``: a small model with RANDOM weights (so the text is gibberish); it always runs both paths
+greedily, checks that they give the same tokens, and prints their timings side by side.
+
+Exit status: 0 when all went well, 1 when the naive and cached paths disagree, 2 for a bad argument,
+3 when the model is not installed (the message says what to install).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
+from .checks import check_int
 from .config import PRESETS
 from .device import DEVICE_NAMES, DTYPES, resolve_device, resolve_dtype
 from .generate import TokenEvent, check_lengths, stream_generate
 from .metrics import RequestTiming, e2e_latency, tpot, ttft
 from .model import build_model
+from .pretrained import load_pretrained
+from .sampling import SamplingParams
 from .timing import now
 from .tokenizer import ByteTokenizer
 
-EXAMPLE_PROMPT = "请介绍一下Transformer"  # the source documents' example request
+PRETRAINED = "smollm2-135m-instruct"
+MODELS = ("smollm2", "tiny")
+EXAMPLE_PROMPT = "请介绍一下Transformer"  # the source documents' example request (the tiny demo's prompt)
+DEFAULT_PROMPTS = {"chat": "What is the capital of France?", "text": "Once upon a time, in a small village,"}
 BUILDABLE = [name for name, config in PRESETS.items() if config.n_params <= 100_000_000]
 NEAR_TIE = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}  # logit gap rounding can flip
 WARMUP_TOKENS = 8
 PATHS = {"naive": "naive  (recompute all every step)", "cached": "cached (KV cache: prefill, decode)"}
+NOT_INSTALLED = 3
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(
         prog="python -m minillm",
-        description="Generate with and without a KV cache on a small random-weight model; compare speed "
-                    "and check that both paths give the same tokens.")
-    parser.add_argument("--prompt", default=EXAMPLE_PROMPT, help=f"default: {EXAMPLE_PROMPT!r}")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate (default 256)")
+        description="Generate text with minillm: the trained SmolLM2-135M-Instruct (default; streamed, with "
+                    "TTFT / TPOT / tokens/s), or a tiny random-weight model that compares naive and cached "
+                    "generation.")
+    parser.add_argument("text", nargs="?", default=None, metavar="PROMPT", help="the prompt (or use --prompt)")
+    parser.add_argument("--prompt", default=None,
+                        help=f"default: {DEFAULT_PROMPTS['chat']!r} with --chat, {DEFAULT_PROMPTS['text']!r} "
+                             f"without; tiny: {EXAMPLE_PROMPT!r}")
+    parser.add_argument("--model", choices=MODELS, default="smollm2",
+                        help="smollm2: SmolLM2-135M-Instruct, trained (default); tiny: random weights")
+    parser.add_argument("--chat", action="store_true",
+                        help="apply the chat template to the prompt; stops at <|im_end|> (smollm2 only)")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (default 1.0: all)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the sampler, and of the tiny model's random weights (default 0)")
+    parser.add_argument("--compare", action="store_true",
+                        help="also run the naive path and check it gives the same tokens (tiny: always)")
     parser.add_argument("--device", choices=DEVICE_NAMES, default="auto", help="default: auto (CUDA if present)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="default: float32")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    parser.add_argument("--preset", choices=BUILDABLE, default="tiny",
-                        help="model shape (the LLaMA presets are shapes only, too big to build here)")
+    parser.add_argument("--preset", choices=BUILDABLE, default=None,
+                        help="the tiny demo's model shape (default tiny; the LLaMA presets are too big to build)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     return parser, parser.parse_args(argv)
 
 
-def collect(events, label: str, total: int) -> list[TokenEvent]:
-    """Gather a run's events; once it has taken 2 s, show a token counter on stderr."""
+def check_args(args: argparse.Namespace) -> tuple[str, SamplingParams]:
+    """The prompt and the sampling parameters; ValueError for a bad or contradictory argument."""
+    if args.text is not None and args.prompt is not None:
+        raise ValueError("give the prompt once: as an argument or with --prompt, not both")
+    prompt = args.text if args.text is not None else args.prompt
+    if prompt is not None and not prompt.strip():
+        raise ValueError(f"the prompt {prompt!r} is empty; give some text")
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    if args.model == "tiny":
+        if args.chat:
+            raise ValueError("--chat needs a chat template: use --model smollm2 (the tiny model has none)")
+        if not sampling.greedy:
+            raise ValueError(f"--temperature {args.temperature}: the tiny demo decodes greedily, to compare the "
+                             "naive and cached paths token for token; sample with --model smollm2")
+        return (EXAMPLE_PROMPT if prompt is None else prompt), sampling
+    if args.preset is not None:
+        raise ValueError(f"--preset {args.preset} picks the shape of --model tiny; smollm2's shape is fixed")
+    if args.compare and not sampling.greedy:
+        raise ValueError(f"--compare checks token-for-token equality, which needs greedy decoding; got "
+                         f"--temperature {args.temperature}")
+    if prompt is None:
+        prompt = DEFAULT_PROMPTS["chat" if args.chat else "text"]
+    return prompt, sampling
+
+
+class TextStream:
+    """Token ids in, text out as soon as it is whole: a character split across tokens (a Chinese character
+    is 3 UTF-8 bytes, which byte-level BPE may cut in two) is held back until its last byte arrives.
+
+    vLLM's incremental detokenization: decode the tokens since the last printed piece, with that piece's
+    tokens as context, and print what grew, unless it ends in U+FFFD (an incomplete character).
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids = tokenizer, []
+        self.prefix_offset = self.read_offset = 0  # ids[prefix_offset:read_offset] = the last printed piece
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (maybe "")."""
+        self.ids.append(int(token_id))
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """After the last token: whatever is held back (an invalid byte sequence prints as U+FFFD)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(before):]
+
+
+class Run(NamedTuple):
+    """Tokens and timings of one generation."""
+
+    tokens: list[int]
+    ttft: float  # s
+    tpot: float | None  # s; None with one token
+    rate: float  # tokens / s over the whole run
+    total: float  # s
+
+
+def collect(events, label: str, total: int, on_event=None) -> list[TokenEvent]:
+    """Gather a run's events, calling ``on_event`` on each; without one, once the run has taken 2 s,
+    show a token counter on stderr."""
     start, out, shown = time.perf_counter(), [], False
     tty = sys.stderr.isatty()  # a terminal gets one updating line, a log a line every 64 tokens
     every, begin, end = (16, "\r", "") if tty else (64, "", "\n")
     for event in events:
         out.append(event)
         n = len(out)
-        if time.perf_counter() - start > 2 and (n % every == 0 or n == total):
+        if on_event is not None:
+            on_event(event)
+        elif time.perf_counter() - start > 2 and (n % every == 0 or n == total):
             print(f"{begin}  {label}: {n}/{total} tokens", end=end, file=sys.stderr, flush=True)
             shown = True
     if shown and tty:
@@ -61,13 +157,33 @@ def collect(events, label: str, total: int) -> list[TokenEvent]:
     return out
 
 
-def timed_run(model, prompt_ids: list[int], max_new_tokens: int, use_cache: bool, label: str):
-    """Tokens and the timings of one greedy run: (tokens, TTFT s, TPOT s or None, tokens/s, total s)."""
+def timed_run(model, prompt_ids: list[int], max_new_tokens: int, use_cache: bool, label: str,
+              on_event=None, **generate_kwargs) -> Run:
+    """One run of ``stream_generate``, timed from the request to each token (minillm.metrics)."""
     start = now(model.device)
-    events = collect(stream_generate(model, prompt_ids, max_new_tokens, use_cache=use_cache), label, max_new_tokens)
+    events = stream_generate(model, prompt_ids, max_new_tokens, use_cache=use_cache, **generate_kwargs)
+    events = collect(events, label, max_new_tokens, on_event)
     timing = RequestTiming(arrival_time=start, token_times=[e.time for e in events])
     total = e2e_latency(timing)
-    return [e.token_id for e in events], ttft(timing), tpot(timing), len(events) / total, total
+    return Run([e.token_id for e in events], ttft(timing), tpot(timing), len(events) / total, total)
+
+
+def warm_up(model, prompt_ids: list[int], max_new_tokens: int, use_cache: bool) -> None:
+    """A few untimed tokens first, so one-time costs (allocations, kernel selection) stay out of the timings."""
+    for _ in stream_generate(model, prompt_ids, min(WARMUP_TOKENS, max_new_tokens), use_cache=use_cache):
+        pass
+
+
+def print_timings(runs: dict[str, Run]) -> None:
+    print(f"{'path':<36}{'TTFT (ms)':>11}{'TPOT (ms)':>11}{'tokens/s':>11}{'total (s)':>11}")
+    for name, run in runs.items():
+        tpot_text = f"{run.tpot * 1e3:.2f}" if run.tpot is not None else "n/a"
+        print(f"{PATHS[name]:<36}{run.ttft * 1e3:>11.2f}{tpot_text:>11}{run.rate:>11.1f}{run.total:>11.3f}")
+    if len(runs) == 2:
+        print(f"speedup of the cache (tokens/s, cached / naive): {runs['cached'].rate / runs['naive'].rate:.2f}x")
+    n = len(runs["cached"].tokens)
+    print(f"TTFT = first token - start of the request; TPOT = mean gap over the {n - 1} decode tokens; "
+          f"tokens/s = {n} / total")
 
 
 def near_tie_gap(model, prompt_ids: list[int], common: list[int], a: int, b: int) -> float:
@@ -78,61 +194,112 @@ def near_tie_gap(model, prompt_ids: list[int], common: list[int], a: int, b: int
     return abs(float(logits[a] - logits[b]))
 
 
+def report_agreement(model, prompt_ids: list[int], naive: list[int], cached: list[int], dtype_name: str) -> int:
+    """Print whether the greedy paths gave the same tokens; 0 if they did (or split on a near tie), else 1."""
+    if naive == cached:
+        print(f"same tokens: yes, all {len(cached)} identical")
+        return 0
+    i = next(i for i, (a, b) in enumerate(zip(naive, cached)) if a != b)  # EOS ends both at a shared prefix
+    gap, tie = near_tie_gap(model, prompt_ids, naive[:i], naive[i], cached[i]), NEAR_TIE[model.dtype]
+    verdict = (f"< {tie}: a near tie that {dtype_name} rounding flips, not a bug" if gap < tie
+               else f">= {tie}: more than rounding explains, the paths disagree")
+    print(f"same tokens: no, the first {i} agree; at token {i} the two candidates' logits differ by "
+          f"{gap:.4f} {verdict}")
+    return 0 if gap < tie else 1
+
+
+def threads_text(device: torch.device) -> str:
+    return f", threads: {torch.get_num_threads()}" if device.type == "cpu" else ""
+
+
+def run_tiny(args, prompt: str, device: torch.device, dtype: torch.dtype) -> int:
+    """The random-weight demo: naive and cached greedy generation, same tokens, timings side by side."""
+    tokenizer, preset = ByteTokenizer(), args.preset or "tiny"
+    config, n_new = PRESETS[preset], args.max_new_tokens
+    prompt_ids = tokenizer.encode(prompt)
+    model = build_model(config, device=device, dtype=dtype, seed=args.seed)
+    print(f"minillm demo: the {preset!r} preset with RANDOM weights (seed {args.seed}), so the text is "
+          "gibberish;\nwhat it shows: naive and cached generation give the same tokens, and the cache's speedup.")
+    print(f"model: {config.n_params / 1e6:.2f}M parameters, {config.n_layers} layers, {config.n_heads} query heads "
+          f"sharing {config.n_kv_heads} KV heads, head_dim {config.head_dim}")
+    print(f"device: {device.type}, dtype: {args.dtype}{threads_text(device)}")
+    print(f"prompt: {prompt!r} = {len(prompt_ids)} tokens (BOS + {len(prompt_ids) - 1} UTF-8 bytes); "
+          f"{n_new} new tokens, greedy; warm-up: {WARMUP_TOKENS} tokens a path, not timed")
+    runs = {}
+    for name in PATHS:
+        warm_up(model, prompt_ids, n_new, name == "cached")
+        runs[name] = timed_run(model, prompt_ids, n_new, name == "cached", name)
+    print()
+    print_timings(runs)
+    status = report_agreement(model, prompt_ids, runs["naive"].tokens, runs["cached"].tokens, args.dtype)
+    print(f"text (cached path, random weights): {tokenizer.decode(runs['cached'].tokens)!r}")
+    return status
+
+
+def run_smollm2(parser, args, prompt: str, sampling: SamplingParams, device: torch.device, dtype: torch.dtype) -> int:
+    """The trained model: the reply streamed as it is generated, then its timings."""
+    start = time.perf_counter()
+    try:
+        model, tokenizer = load_pretrained(PRETRAINED, device=device, dtype=dtype)
+    except (FileNotFoundError, ImportError) as error:
+        print(f"python -m minillm: error: {error}", file=sys.stderr)
+        return NOT_INSTALLED
+    loaded = time.perf_counter() - start
+    prompt_ids = tokenizer.encode_chat(prompt) if args.chat else tokenizer.encode(prompt)
+    try:
+        check_lengths(len(prompt_ids), args.max_new_tokens, model.config.max_seq_len)
+    except ValueError as error:
+        parser.error(str(error))  # exits with status 2
+    c, n_new, eos = model.config, args.max_new_tokens, tokenizer.eos_token_id
+    eos_name = tokenizer.decode([eos], skip_special_tokens=False)
+    how = "greedy" if sampling.greedy else (f"sampled (temperature {sampling.temperature}, top-k {sampling.top_k}, "
+                                            f"top-p {sampling.top_p}, seed {args.seed})")
+    print(f"minillm demo: SmolLM2-135M-Instruct (trained), loaded in {loaded:.1f} s")
+    print(f"model: {c.n_params / 1e6:.1f}M parameters, {c.n_layers} layers, {c.n_heads} query heads sharing "
+          f"{c.n_kv_heads} KV heads, head_dim {c.head_dim}")
+    print(f"device: {device.type}, dtype: {args.dtype}{threads_text(device)}")
+    print(f"prompt: {prompt!r}{' in the chat template' if args.chat else ''} = {len(prompt_ids)} tokens")
+    print(f"up to {n_new} new tokens, {how}, stops at {eos_name}")
+    print("--- output (streamed as generated) ---", flush=True)
+    generate_kwargs = dict(sampling=sampling, eos_token_id=eos, seed=args.seed)
+    stream = TextStream(tokenizer)
+
+    def show(event: TokenEvent) -> None:
+        print(stream.push(event.token_id), end="", flush=True)
+
+    paths = ["cached", "naive"] if args.compare else ["cached"]
+    for name in paths:
+        warm_up(model, prompt_ids, n_new, name == "cached")
+    runs = {"cached": timed_run(model, prompt_ids, n_new, True, "cached", show, **generate_kwargs)}
+    print(stream.flush())
+    cached = runs["cached"].tokens
+    stop = f"stopped at {eos_name}" if cached[-1] == eos else f"stopped at --max-new-tokens {n_new}"
+    print(f"--- end: {len(cached)} tokens, {stop} ---\n")
+    if args.compare:
+        runs = {"naive": timed_run(model, prompt_ids, n_new, False, "naive", **generate_kwargs), **runs}
+    print_timings(runs)
+    return report_agreement(model, prompt_ids, runs["naive"].tokens, cached, args.dtype) if args.compare else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, args = parse_args(argv)
-    tokenizer = ByteTokenizer()
-    config = PRESETS[args.preset]
     try:
+        prompt, sampling = check_args(args)
         if args.threads is not None:
             if args.threads < 1:
                 raise ValueError(f"--threads {args.threads} must be >= 1")
             torch.set_num_threads(args.threads)
         device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
-        prompt_ids = tokenizer.encode(args.prompt)
-        check_lengths(len(prompt_ids), args.max_new_tokens, config.max_seq_len)
+        if args.model == "tiny":
+            check_lengths(len(ByteTokenizer().encode(prompt)), args.max_new_tokens,
+                          PRESETS[args.preset or "tiny"].max_seq_len)
+        else:
+            check_int("max_new_tokens", args.max_new_tokens)  # the context length is checked once loaded
     except (ValueError, TypeError) as error:
         parser.error(str(error))  # exits with status 2
-
-    n_new = args.max_new_tokens
-    model = build_model(config, device=device, dtype=dtype, seed=args.seed)
-    threads = f", threads: {torch.get_num_threads()}" if device.type == "cpu" else ""
-    print(f"minillm demo: the {args.preset!r} preset with RANDOM weights (seed {args.seed}), so the text is "
-          "gibberish;\nwhat it shows: naive and cached generation give the same tokens, and the cache's speedup.")
-    print(f"model: {config.n_params / 1e6:.2f}M parameters, {config.n_layers} layers, {config.n_heads} query heads "
-          f"sharing {config.n_kv_heads} KV heads, head_dim {config.head_dim}")
-    print(f"device: {device.type}, dtype: {args.dtype}{threads}")
-    print(f"prompt: {args.prompt!r} = {len(prompt_ids)} tokens (BOS + {len(prompt_ids) - 1} UTF-8 bytes); "
-          f"{n_new} new tokens, greedy; warm-up: {WARMUP_TOKENS} tokens a path, not timed")
-
-    results = {}
-    for name in PATHS:
-        use_cache = name == "cached"
-        for _ in stream_generate(model, prompt_ids, min(WARMUP_TOKENS, n_new), use_cache=use_cache):
-            pass
-        results[name] = timed_run(model, prompt_ids, n_new, use_cache, name)
-
-    print(f"\n{'path':<36}{'TTFT (ms)':>11}{'TPOT (ms)':>11}{'tokens/s':>11}{'total (s)':>11}")
-    for name, (_, ttft, tpot, rate, total) in results.items():
-        tpot_text = f"{tpot * 1e3:.2f}" if tpot is not None else "n/a"
-        print(f"{PATHS[name]:<36}{ttft * 1e3:>11.2f}{tpot_text:>11}{rate:>11.1f}{total:>11.3f}")
-    print(f"speedup of the cache (tokens/s, cached / naive): {results['cached'][3] / results['naive'][3]:.2f}x")
-    print(f"TTFT = first token - start of the request; TPOT = mean gap over the {n_new - 1} decode tokens; "
-          f"tokens/s = {n_new} / total")
-
-    naive, cached = results["naive"][0], results["cached"][0]
-    status = 0
-    if naive == cached:
-        print(f"same tokens: yes, all {n_new} identical")
-    else:
-        i = next(i for i, (a, b) in enumerate(zip(naive, cached)) if a != b)
-        gap, tie = near_tie_gap(model, prompt_ids, naive[:i], naive[i], cached[i]), NEAR_TIE[dtype]
-        verdict = (f"< {tie}: a near tie that {args.dtype} rounding flips, not a bug" if gap < tie
-                   else f">= {tie}: more than rounding explains, the paths disagree")
-        print(f"same tokens: no, the first {i} agree; at token {i} the two candidates' logits differ by "
-              f"{gap:.4f} {verdict}")
-        status = 0 if gap < tie else 1
-    print(f"text (cached path, random weights): {tokenizer.decode(cached)!r}")
-    return status
+    if args.model == "tiny":
+        return run_tiny(args, prompt, device, dtype)
+    return run_smollm2(parser, args, prompt, sampling, device, dtype)
 
 
 if __name__ == "__main__":

@@ -48,18 +48,21 @@ def _config(config: ModelConfig | str) -> ModelConfig:
 
 # --- memory --------------------------------------------------------------------------------------
 
-def kv_bytes_per_token(config: ModelConfig | str, dtype: str | torch.dtype = "float16") -> int:
-    """K and V of one token across all layers: 2 x n_layers x n_kv_heads x head_dim x bytes."""
+def kv_bytes_per_token(config: ModelConfig | str,
+                       dtype: str | torch.dtype = "float16") -> int:
+    """K and V of one token, all layers: 2 x n_layers x n_kv_heads x head_dim x bytes."""
     c = _config(config)
     return 2 * c.n_layers * c.n_kv_heads * c.head_dim * bytes_per_element(dtype)
 
 
 def kv_cache_bytes(config: ModelConfig | str, seq_len: int, batch_size: int = 1,
-                   dtype: str | torch.dtype = "float16", window: int | None = None) -> int:
-    """KV cache of ``batch_size`` sequences of ``seq_len`` tokens: 2 x L x H_kv x S x D x bytes x B.
+                   dtype: str | torch.dtype = "float16",
+                   window: int | None = None) -> int:
+    """KV cache of ``batch_size`` sequences of ``seq_len`` tokens:
+    2 x L x H_kv x S x D x bytes x B.
 
-    ``window``: sliding-window attention keeps only the last ``window`` positions, so S = min(seq_len,
-    window). GQA/MQA enter through ``config.n_kv_heads``.
+    ``window``: sliding-window attention keeps only the last ``window`` positions, so
+    S = min(seq_len, window). GQA/MQA enter through ``config.n_kv_heads``.
     """
     check_int("seq_len", seq_len)
     check_int("batch_size", batch_size)
@@ -189,25 +192,27 @@ class CapacityPlan:
         return None if self.devices_needed is None else self.devices_needed * self.weight_bytes
 
 
-def plan_capacity(device_bytes: int, weight_bytes: int, reserve_bytes: int, request_bytes: int,
+def plan_capacity(device_bytes: int, weight_bytes: int, reserve_bytes: int,
+                  request_bytes: int,
                   target_concurrency: int | None = None) -> CapacityPlan:
-    """Requests per device = floor((device - weights - reserve) / request); devices for a target
-    concurrency = ceil(target / requests per device). All arguments in bytes."""
+    """Requests per device = floor((device - weights - reserve) / request); devices for a
+    target concurrency = ceil(target / requests per device). All arguments in bytes."""
     check_int("device_bytes", device_bytes)
     check_int("weight_bytes", weight_bytes, minimum=0)
     check_int("reserve_bytes", reserve_bytes, minimum=0)
     check_int("request_bytes", request_bytes)
     free = device_bytes - weight_bytes - reserve_bytes
     if free <= 0:
-        raise ValueError(f"weights ({weight_bytes} B) + reserve ({reserve_bytes} B) leave no room on a "
-                         f"device of {device_bytes} B")
+        raise ValueError(f"weights ({weight_bytes} B) + reserve ({reserve_bytes} B) "
+                         f"leave no room on a device of {device_bytes} B")
     per_device = free // request_bytes
     devices = None
     if target_concurrency is not None:
         check_int("target_concurrency", target_concurrency)
         if per_device == 0:
-            raise ValueError(f"one request needs {request_bytes} B but a device has only {free} B free; "
-                             f"no number of devices serves target_concurrency={target_concurrency}")
+            raise ValueError(f"one request needs {request_bytes} B but a device has only "
+                             f"{free} B free; no number of devices serves "
+                             f"target_concurrency={target_concurrency}")
         devices = -(-target_concurrency // per_device)
     return CapacityPlan(device_bytes, weight_bytes, reserve_bytes, request_bytes, free,
                         free / request_bytes, per_device, target_concurrency, devices)
@@ -240,6 +245,49 @@ def allocation_waste(lengths: Sequence[int], max_len: int | None = None,
                      block_size: int | None = None) -> float:
     """Fraction of reserved KV slots that hold no token: 1 - sum(lengths) / reserved_slots."""
     return 1 - sum(lengths) / reserved_slots(lengths, max_len, block_size)
+
+
+# --- weight-only quantization and the bandwidth bound --------------------------------------------
+
+def quantized_weight_bytes(config: ModelConfig | str, bits: int, group_size: int | None = None,
+                           scale_bytes: int = 2, dtype: str | torch.dtype = "float16") -> int:
+    """Weight bytes one decode step streams when the matmul weights (``matmul_params``) are stored
+    in ``bits`` bits, with ``scale_bytes`` of scales per group (one group per output row when
+    ``group_size`` is None, else per ``group_size`` weights of a row). The norms stay in ``dtype``;
+    an untied embedding table is not streamed (``streamed_weight_bytes``).
+    """
+    c = _config(config)
+    if bits not in (2, 3, 4, 8, 16):
+        raise ValueError(f"bits={bits!r}; choose one of (2, 3, 4, 8, 16)")
+    check_int("scale_bytes", scale_bytes, minimum=0)
+    rows = c.n_layers * (c.n_heads * c.head_dim + 2 * c.n_kv_heads * c.head_dim + c.d_model
+                         + 2 * c.d_ff + c.d_model) + c.vocab_size  # output rows of every matmul
+    if group_size is None:
+        groups = rows
+    else:
+        check_int("group_size", group_size)
+        groups = -(-matmul_params(c) // group_size)
+    norms = (2 * c.n_layers + 1) * c.d_model * bytes_per_element(dtype)
+    return -(-matmul_params(c) * bits // 8) + groups * scale_bytes + norms
+
+
+def bandwidth_bound_steps_per_s(bytes_per_step: int | float, bandwidth: float) -> float:
+    """The most decode steps per second a memory system of ``bandwidth`` bytes/s allows when every
+    step reads ``bytes_per_step``: bandwidth / bytes_per_step."""
+    for name, value in (("bytes_per_step", bytes_per_step), ("bandwidth", bandwidth)):
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not 0 < value < math.inf):
+            raise ValueError(f"{name}={value!r} must be a finite number > 0")
+    return bandwidth / bytes_per_step
+
+
+def bandwidth_utilisation(bytes_per_step: int | float, steps_per_s: float, bandwidth: float) -> float:
+    """Fraction of ``bandwidth`` (bytes/s) a decode loop achieves: bytes_per_step x steps_per_s /
+    bandwidth (gpt-fast's "bandwidth achieved", as a fraction)."""
+    if (isinstance(steps_per_s, bool) or not isinstance(steps_per_s, (int, float))
+            or not 0 <= steps_per_s < math.inf):
+        raise ValueError(f"steps_per_s={steps_per_s!r} must be a finite number >= 0")
+    return steps_per_s / bandwidth_bound_steps_per_s(bytes_per_step, bandwidth)
 
 
 # --- display -------------------------------------------------------------------------------------

@@ -61,7 +61,11 @@ def _need_tokens(times: list[float], what: str, minimum: int = 1) -> None:
 
 
 def ttft(request) -> float:
-    """Time to first token (s) of one request: first token time - arrival time, queueing included."""
+    """Time to first token (s) of one request: first token time - arrival time.
+
+    Queueing is included: the clock starts when the request arrives, not when it is
+    scheduled.
+    """
     arrival, times = _times(request)
     _need_tokens(times, "TTFT")
     return times[0] - arrival
@@ -75,9 +79,10 @@ def e2e_latency(request) -> float:
 
 
 def tpot(request) -> float | None:
-    """Time per output token (s) of one request, first token excluded: (E2E - TTFT) / (tokens - 1).
+    """Time per output token (s) of one request, first token excluded.
 
-    ``None`` for a request with exactly one output token (TPOT is undefined there, not zero).
+    TPOT = (E2E - TTFT) / (tokens - 1): the mean gap between the request's own tokens.
+    ``None`` for a request with exactly one output token: TPOT is undefined there, not 0.
     """
     _, times = _times(request)
     _need_tokens(times, "TPOT")
@@ -87,7 +92,10 @@ def tpot(request) -> float | None:
 
 
 def itls(request) -> list[float]:
-    """Inter-token latencies (s) of one request: every gap between consecutive tokens (n - 1 values)."""
+    """Inter-token latencies (s) of one request: every gap between consecutive tokens.
+
+    n tokens give n - 1 gaps; a run's ITL pools the gaps of all its requests (per token).
+    """
     _, times = _times(request)
     return [b - a for a, b in zip(times, times[1:])]
 

@@ -100,17 +100,37 @@ class Attention(nn.Module):
         self.last_weights: torch.Tensor | None = None  # (B, n_heads, T, S) when recorded
 
     def forward(self, x, cos, sin, positions, mask, cache=None, record_weights: bool = False):
-        """x: (B, T, d_model); mask: (B, 1, G*T, S) from ``grouped_mask``, or None when every key is visible."""
+        """x: (B, T, d_model); mask: (B, 1, G*T, S) from ``attention_mask``, or None when
+        every key is visible.
+
+        A mixed cache (``cache.parts``: the engine's step, several batches laid out in one
+        row of tokens) gets the projections computed once for all its tokens, and attention
+        batch by batch.
+        """
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if hasattr(cache, "parts"):
+            parts = cache.split(q, k, v)
+            out = cache.join([self.attend(*part) for part in parts])  # (1, H, T, D)
+        else:
+            out = self.attend(q, k, v, positions, mask, cache, record_weights)  # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def attend(self, q, k, v, positions, mask, cache=None,
+               record_weights: bool = False) -> torch.Tensor:
+        """q: (B, H, T, D) and the new k, v: (B, Hkv, T, D) -> the output (B, H, T, D)."""
+        B, _, T, _ = q.shape
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v, positions)  # (B, Hkv, S, D), index = position
-        # GQA without copying K/V: the G query heads that share a kv head become G*T query rows of it.
+            # (B, Hkv, S, D), index = position
+            k, v = cache.update(self.layer_idx, k, v, positions)
+        # GQA without copying K/V: the G query heads sharing a kv head become G*T rows of it.
         G, S = self.n_heads // self.n_kv_heads, k.shape[2]
-        q = q.reshape(B, self.n_kv_heads, G * T, self.head_dim)  # (B, Hkv, G*T, D), rows ordered (g, t)
+        # (B, Hkv, G*T, D), rows ordered (g, t)
+        q = q.reshape(B, self.n_kv_heads, G * T, self.head_dim)
         if self.impl == "eager" or record_weights:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, Hkv, G*T, S)
             if mask is not None:
@@ -121,8 +141,8 @@ class Attention(nn.Module):
             out = weights @ v  # (B, Hkv, G*T, D)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, Hkv, G*T, D)
-        out = out.view(B, self.n_heads, T, self.head_dim)  # (B, H, T, D): head h = kv head h // G
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        # (B, H, T, D): head h uses kv head h // G
+        return out.view(B, self.n_heads, T, self.head_dim)
 
 
 def attention_mask(positions: torch.Tensor, n_keys: int, groups: int, cached: bool) -> torch.Tensor | None:
@@ -176,7 +196,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, positions, mask, cache=None, record_weights=False):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache, record_weights)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache,
+                               record_weights)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -229,7 +250,10 @@ class CausalLM(nn.Module):
         """
         self._check_input(input_ids)
         B, T = input_ids.shape
-        if cache is not None and cache.lengths.shape[0] != B:
+        mixed = hasattr(cache, "parts")  # the engine's mixed step (see Attention.forward)
+        if mixed and positions is None:
+            raise ValueError("a mixed batch needs explicit positions")
+        if cache is not None and not mixed and cache.lengths.shape[0] != B:
             raise ValueError(f"input_ids has {B} rows but the cache has batch_size={cache.lengths.shape[0]}")
         if positions is None:
             start = cache.lengths[:, None] if cache is not None else 0
@@ -244,7 +268,10 @@ class CausalLM(nn.Module):
             raise ValueError(f"positions span [{lo}, {hi}], outside [0, max_seq_len={limit})")
         if cache is not None:
             cache.check_room(positions)
-        mask = attention_mask(positions, hi + 1 if cache is not None else T, self.config.n_groups, cache is not None)
+        mask = None  # a mixed step's parts bring their own masks
+        if not mixed:
+            n_keys = hi + 1 if cache is not None else T
+            mask = attention_mask(positions, n_keys, self.config.n_groups, cache is not None)
         x = self.model.embed_tokens(input_ids)  # (B, T, d_model)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:

@@ -74,6 +74,7 @@ class SourceExcerpt:
 
 def show_source(obj) -> SourceExcerpt:
     """The current source of a minillm function, method or class, to display as the cell's result."""
+    obj = inspect.unwrap(obj)  # a decorated function shows its own code, not the decorator's
     module = inspect.getmodule(obj)
     if module is None or not (module.__name__ == "minillm" or module.__name__.startswith("minillm.")):
         raise ValueError(f"{obj!r} is not part of minillm; show_source shows the library's own code")

@@ -1,14 +1,16 @@
-"""Machine probes and the roofline: how fast can this device compute, and how fast can it read?
+"""Machine probes and the roofline: how fast can this device compute, and how fast read?
 
-The roofline model says a kernel that does ``flops`` of work while moving ``bytes`` of memory can run
-at most at ``min(peak_flops, intensity x peak_bandwidth)`` FLOP/s, where intensity = flops / bytes.
-The two peaks are measured here with small probes (a square matmul, a large copy) instead of taken
-from a datasheet, so the chapter compares the model with the machine it actually runs on.
+The roofline model says a kernel that does ``flops`` of work while moving ``bytes`` of
+memory can run at most at ``min(peak_flops, intensity x peak_bandwidth)`` FLOP/s, where
+intensity = flops / bytes. The two peaks are measured here with small probes (a square
+matmul, a large copy) instead of taken from a datasheet, so the chapter compares the model
+with the machine it actually runs on.
 """
 from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -17,6 +19,7 @@ import torch
 from .cache import KVCache
 from .checks import check_int
 from .device import resolve_device, resolve_dtype
+from .memory import decode_bytes, decode_flops, prefill_bytes, prefill_flops
 from .timing import now
 
 Clock = Callable[[torch.device], float]
@@ -24,10 +27,10 @@ Clock = Callable[[torch.device], float]
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
                 device: torch.device | str | None = None, clock: Clock = now) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` timed calls, after ``warmup`` untimed ones.
+    """Median seconds of ``fn()`` over ``repeats`` timed calls, after ``warmup`` untimed.
 
-    ``clock(device)`` must synchronize the device before reading the time (``minillm.timing.now``
-    does); tests pass a fake clock.
+    ``clock(device)`` must synchronize the device before reading the time
+    (``minillm.timing.now`` does); tests pass a fake clock.
     """
     check_int("repeats", repeats)
     check_int("warmup", warmup, minimum=0)
@@ -52,8 +55,8 @@ def measure_matmul_flops(n: int = 512, dtype: str | torch.dtype = "float32",
                          clock: Clock = now) -> float:
     """Achieved FLOP/s (median of ``repeats``) of one square ``n x n`` matmul.
 
-    Pick ``n`` so one call takes a few milliseconds: 512 on a laptop CPU, 4096 or more on a GPU
-    (a small matmul cannot fill a GPU and reports far below its peak).
+    Pick ``n`` so one call takes a few milliseconds: 512 on a laptop CPU, 4096 or more on
+    a GPU (a small matmul cannot fill a GPU and reports far below its peak).
     """
     check_int("n", n)
     device, dtype = resolve_device(device), resolve_dtype(dtype)
@@ -66,32 +69,33 @@ def measure_matmul_flops(n: int = 512, dtype: str | torch.dtype = "float32",
 
 def measure_bandwidth(n_bytes: int = 64 * 2 ** 20, device: str | torch.device = "cpu",
                       repeats: int = 5, clock: Clock = now) -> float:
-    """Achieved memory bandwidth in bytes/s (median of ``repeats``) of copying ``n_bytes``.
+    """Achieved bandwidth (bytes/s, median of ``repeats``) of copying ``n_bytes``.
 
-    Each copy reads ``n_bytes`` and writes ``n_bytes``: both are counted (2 x n_bytes moved). Make
-    ``n_bytes`` larger than the last-level cache (tens of MiB on a CPU, ~50 MiB of L2 on recent
-    GPUs), or the probe measures the cache instead of main memory.
+    Each copy reads ``n_bytes`` and writes ``n_bytes``: both are counted (2 x n_bytes
+    moved). Make ``n_bytes`` larger than the last-level cache (tens of MiB on a CPU, ~50
+    MiB of L2 on recent GPUs), or the probe measures the cache instead of main memory.
     """
     check_int("n_bytes", n_bytes, minimum=4)
     device = resolve_device(device)
     src = torch.ones(n_bytes // 4, device=device, dtype=torch.float32)  # (n_bytes/4,)
     dst = torch.empty_like(src)
-    seconds = median_time(lambda: dst.copy_(src), repeats=repeats, device=device, clock=clock)
+    seconds = median_time(lambda: dst.copy_(src), repeats=repeats, device=device,
+                          clock=clock)
     return 2 * src.numel() * src.element_size() / seconds
 
 
 def _random_ids(model, batch_size: int, length: int) -> torch.Tensor:
     """Reproducible random token ids on the model's device: (batch_size, length)."""
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (batch_size, length), generator=generator)
+    shape = (batch_size, length)
+    ids = torch.randint(0, model.config.vocab_size, shape, generator=generator)
     return ids.to(model.device)
 
 
-@torch.inference_mode()
 def time_prefill(model, prompt_len: int, batch_size: int = 1, repeats: int = 3,
                  clock: Clock = now) -> float:
-    """Median seconds of one prefill: a forward over ``batch_size`` prompts of ``prompt_len`` random
-    tokens, written into an empty KV cache (the cache is reset, not reallocated, between calls)."""
+    """Median seconds of one prefill: a forward over ``batch_size`` prompts of
+    ``prompt_len`` random tokens into an empty KV cache (reset between calls)."""
     check_int("prompt_len", prompt_len)
     check_int("batch_size", batch_size)
     ids = _random_ids(model, batch_size, prompt_len)  # (B, T)
@@ -99,63 +103,143 @@ def time_prefill(model, prompt_len: int, batch_size: int = 1, repeats: int = 3,
 
     def step():
         cache.reset()
-        model(ids, cache=cache)
+        with torch.inference_mode():
+            model(ids, cache=cache)
 
     return median_time(step, repeats=repeats, device=model.device, clock=clock)
 
 
-@torch.inference_mode()
 def time_decode_step(model, context_len: int, batch_size: int = 1, repeats: int = 5,
                      clock: Clock = now) -> float:
-    """Median seconds of one decode step: ``batch_size`` rows each feed one token that attends
-    ``context_len`` positions (itself included), as in ``minillm.memory.decode_flops``.
+    """Median seconds of one decode step: ``batch_size`` rows each feed one token that
+    attends ``context_len`` positions (itself included), as in ``memory.decode_flops``.
 
-    The earlier ``context_len - 1`` positions of the cache are left as zeros instead of being
-    prefilled: attention does the same work whatever the keys hold, and skipping the prefill keeps
-    the probe cheap at long contexts and large batches. Every timed call writes the same last
-    position, so all calls do identical work.
+    The earlier ``context_len - 1`` positions of the cache are left as zeros instead of
+    being prefilled: attention does the same work whatever the keys hold, and skipping the
+    prefill keeps the probe cheap at long contexts and large batches. Every timed call
+    writes the same last position, so all calls do identical work.
     """
     check_int("context_len", context_len)
     check_int("batch_size", batch_size)
     cache = KVCache(model.config, batch_size, context_len, model.device, model.dtype)
     token = _random_ids(model, batch_size, 1)  # (B, 1)
-    positions = torch.full((batch_size, 1), context_len - 1, device=model.device)  # (B, 1)
-    return median_time(lambda: model(token, positions=positions, cache=cache), repeats=repeats,
-                       device=model.device, clock=clock)
+    last = context_len - 1
+    positions = torch.full((batch_size, 1), last, device=model.device)  # (B, 1)
+
+    def step():
+        with torch.inference_mode():
+            model(token, positions=positions, cache=cache)
+
+    return median_time(step, repeats=repeats, device=model.device, clock=clock)
+
+
+def _is_number(value) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value)
 
 
 def _check_peak(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not _is_number(value) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a finite number > 0")
 
 
 def ridge_point(peak_flops: float, peak_bw: float) -> float:
-    """The intensity (FLOP/byte) where the roofline bends: below it memory, above it compute limits."""
+    """The intensity (FLOP/byte) where the roofline bends: memory limits below it, compute
+    above it."""
     _check_peak("peak_flops", peak_flops)
     _check_peak("peak_bw", peak_bw)
     return peak_flops / peak_bw
 
 
 def roofline(intensity, peak_flops: float, peak_bw: float):
-    """Attainable FLOP/s at ``intensity`` FLOP/byte: ``min(peak_flops, intensity * peak_bw)``.
+    """Attainable FLOP/s at ``intensity``: ``min(peak_flops, intensity * peak_bw)``.
 
-    ``intensity`` may be a number (returns a float) or an array (returns an array, for plotting).
+    ``intensity`` (FLOP/byte) may be a number (returns a float) or an array (returns an
+    array, to plot).
     """
     _check_peak("peak_flops", peak_flops)
     _check_peak("peak_bw", peak_bw)
     values = np.asarray(intensity, dtype=float)
     if not np.all(np.isfinite(values)) or np.any(values < 0):
-        raise ValueError(f"intensity={intensity!r} must be finite and >= 0 (FLOP per byte)")
+        raise ValueError(f"intensity={intensity!r} must be finite and >= 0 (FLOP/byte)")
     attainable = np.minimum(peak_flops, values * peak_bw)
     return float(attainable) if attainable.ndim == 0 else attainable
 
 
-def roofline_time(flops: float, bytes_moved: float, peak_flops: float, peak_bw: float) -> float:
+def roofline_time(flops: float, bytes_moved: float, peak_flops: float,
+                  peak_bw: float) -> float:
     """Least seconds a call can take: the larger of compute time and memory time,
     ``max(flops / peak_flops, bytes_moved / peak_bw)`` (= flops / roofline(intensity))."""
     _check_peak("peak_flops", peak_flops)
     _check_peak("peak_bw", peak_bw)
     for name, value in (("flops", flops), ("bytes_moved", bytes_moved)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        if not _is_number(value) or value < 0:
             raise ValueError(f"{name}={value!r} must be a finite number >= 0")
     return max(flops / peak_flops, bytes_moved / peak_bw)
+
+
+@dataclass(frozen=True)
+class RooflinePoint:
+    """One measured call on the roofline of a machine: its FLOPs, bytes and seconds."""
+
+    flops: float
+    bytes_moved: float
+    seconds: float
+    peak_flops: float  # FLOP/s
+    peak_bw: float  # bytes/s
+
+    def __post_init__(self) -> None:
+        for name in ("bytes_moved", "seconds"):
+            _check_peak(name, getattr(self, name))
+        self.roofline_time  # validates flops and the peaks
+
+    @property
+    def intensity(self) -> float:
+        """FLOP per byte moved."""
+        return self.flops / self.bytes_moved
+
+    @property
+    def bound(self) -> str:
+        """The lower roof here: "memory" left of the ridge point, else "compute"."""
+        ridge = ridge_point(self.peak_flops, self.peak_bw)
+        return "memory" if self.intensity < ridge else "compute"
+
+    @property
+    def roofline_time(self) -> float:
+        """The least seconds the roofline allows for this work."""
+        return roofline_time(self.flops, self.bytes_moved, self.peak_flops, self.peak_bw)
+
+    @property
+    def slowdown(self) -> float:
+        """Measured seconds / roofline seconds: 1 on the roof, larger below it."""
+        return self.seconds / self.roofline_time
+
+    @property
+    def mfu(self) -> float:
+        """Achieved FLOP/s over the peak FLOP/s (FLOPs utilization)."""
+        return self.flops / self.seconds / self.peak_flops
+
+    @property
+    def mbu(self) -> float:
+        """Achieved bytes/s over the peak bytes/s (bandwidth utilization)."""
+        return self.bytes_moved / self.seconds / self.peak_bw
+
+
+def prefill_share(config, prompt_len: int, output_len: int, peak_flops: float,
+                  peak_bw: float, dtype="float16", batch_size: int = 1) -> float:
+    """Roofline prediction of prefill's share of one request's time.
+
+    One prefill of ``prompt_len`` tokens, then ``output_len - 1`` decode steps (the j-th
+    attends ``prompt_len + j`` positions), each shared by ``batch_size`` requests of the
+    same lengths: at batch 1 the share of the request's own latency, at batch B the share
+    of the machine time the request costs. Weights and KV cache in ``dtype``.
+    """
+    check_int("output_len", output_len)
+    check_int("batch_size", batch_size)
+    t_prefill = roofline_time(prefill_flops(config, prompt_len),
+                              prefill_bytes(config, prompt_len, dtype=dtype),
+                              peak_flops, peak_bw)
+    t_decode = sum(roofline_time(batch_size * decode_flops(config, prompt_len + j),
+                                 decode_bytes(config, prompt_len + j, batch_size, dtype),
+                                 peak_flops, peak_bw) for j in range(1, output_len))
+    return t_prefill / (t_prefill + t_decode / batch_size)

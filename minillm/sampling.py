@@ -28,11 +28,11 @@ class SamplingParams:
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution actually sampled from: logits (B, V) -> probabilities (B, V) in float32.
+    """The distribution actually sampled from: logits (B, V) -> probabilities (B, V).
 
-    Temperature divides the logits; top-k keeps the k largest (and any tied with the k-th); top-p
-    keeps the smallest set of most likely tokens whose mass reaches p (the token that crosses p is
-    kept). Greedy puts all the mass on the argmax.
+    In float32. Temperature divides the logits; top-k keeps the k largest (and any tied
+    with the k-th); top-p keeps the smallest set of most likely tokens whose mass reaches
+    p (the token that crosses p is kept). Greedy puts all the mass on the argmax.
     """
     logits = logits.float()
     if params.greedy:
@@ -44,7 +44,8 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
+        # the mass of the strictly more likely tokens
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)

@@ -53,7 +53,8 @@ def test_config_executes_notebooks_and_names_the_repository():
 
 def test_toc_and_book_pages_match():
     in_toc = {f.removesuffix(".md").removesuffix(".ipynb") for f in _toc_files()}
-    pages = {str(p.relative_to(ROOT).with_suffix("")) for p in BOOK.iterdir() if p.suffix in (".md", ".ipynb")}
+    pages = {str(p.relative_to(ROOT).with_suffix("")) for p in BOOK.rglob("*") if p.suffix in (".md", ".ipynb")
+             and "_build" not in p.parts and ".ipynb_checkpoints" not in p.parts}
     assert in_toc == pages, f"missing pages: {in_toc - pages}; pages not in the toc: {pages - in_toc}"
     assert len(CHAPTERS) >= 4
 

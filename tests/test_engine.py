@@ -1,4 +1,8 @@
-"""The continuous-batching engine: same tokens as `generate`, nothing lost, memory within budget."""
+"""The engine: same tokens as `generate`, nothing lost, memory within budget (shared helpers live here).
+
+Chunked prefill, prefix caching and the online interface have their own files (test_engine_*.py),
+which import the helpers below.
+"""
 import random
 from functools import lru_cache
 
@@ -7,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from minillm import KVCache, SamplingParams, build_model, generate, get_config
-from minillm.engine import Engine, PagedBatchCache, PagedKVPool, Request
+from minillm.engine import Engine, PagedBatchCache, PagedKVPool, Request, blocks_for
 
 CONFIG = get_config("tiny", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=96)
 MODEL = build_model(CONFIG, seed=0)
@@ -25,12 +29,48 @@ def workload(n, seed, max_prompt=20, max_tokens=20, **kwargs):
                     **kwargs) for i in range(n)]
 
 
+def check_tables(engine):
+    """Memory, counted from the sequences' block tables (not from the allocator's own bookkeeping):
+    every live sequence holds blocks for every token it has computed and no more than for all its
+    tokens; a block is in two tables only when both hold the same tokens up to its end at the same
+    index (a shared prefix block); the blocks held fit in the pool; the reference counts equal the
+    number of tables holding each block, and the free blocks are exactly the ones no table holds."""
+    blocks, bs = engine.blocks, engine.blocks.block_size
+    live = engine.scheduler.running + engine.scheduler.padding
+    holders = {}  # block -> [(sequence, index in its table)]
+    for seq in live:
+        assert blocks_for(seq.num_computed, bs) <= len(seq.block_table) <= blocks_for(seq.num_tokens, bs)
+        for i, block in enumerate(seq.block_table):
+            assert 0 <= block < blocks.num_blocks
+            holders.setdefault(block, []).append((seq, i))
+    for block, users in holders.items():
+        if len(users) > 1:
+            assert blocks.enable_prefix_caching
+            (first, i), end = users[0], (users[0][1] + 1) * bs
+            assert all(j == i and s.tokens[:end] == first.tokens[:end] for s, j in users)
+    assert sum(len(s.block_table) for s in live) - sum(len(u) - 1 for u in holders.values()) <= blocks.num_blocks
+    assert blocks.ref_counts == [len(holders.get(b, [])) for b in range(blocks.num_blocks)]
+    assert set(blocks.free_blocks) == set(range(blocks.num_blocks)) - set(holders)
+    assert all(not s.block_table and s.num_computed == 0 for s in engine.scheduler.waiting)
+    return len(holders)
+
+
 def check_invariants(engine, requests, result):
-    """Every request ends once, finished or rejected; memory never exceeds the pool; times are ordered."""
+    """Every request ends once, finished or rejected; every block is free again and no reference is
+    left; each step's token budget held; times are ordered; greedy tokens equal generate alone."""
     assert [r.request_id for r in result.requests] == [r.request_id for r in requests]
     assert all(r.status in ("finished", "rejected") for r in result.requests)
     assert all(s.blocks_used <= engine.blocks.num_blocks for s in result.steps)
-    assert engine.blocks.num_used == 0 and sorted(engine.blocks.free_ids) == list(range(engine.blocks.num_blocks))
+    blocks = engine.blocks
+    assert blocks.ref_counts == [0] * blocks.num_blocks and sorted(blocks.free_blocks) == list(range(blocks.num_blocks))
+    assert not engine.has_unfinished() and not engine.scheduler.running and not engine.scheduler.padding
+    budget = engine.scheduler.max_num_batched_tokens
+    for s in result.steps:
+        assert s.n_running == s.n_prefill + s.n_decode and s.decode_tokens == s.n_decode + s.n_padding
+        if engine.enable_chunked_prefill:
+            assert s.model_calls == 1 and s.prefill_tokens + s.decode_tokens <= budget
+        else:
+            assert s.model_calls == s.n_prefill + (s.decode_tokens > 0)
     for req, rec in zip(requests, result.requests):
         if rec.status == "rejected":
             assert rec.reason and rec.output_ids == [] and rec.token_times == []
@@ -39,22 +79,44 @@ def check_invariants(engine, requests, result):
         assert rec.arrival_time <= rec.token_times[0]
         assert rec.token_times == sorted(rec.token_times) and rec.finish_time == rec.token_times[-1]
         assert rec.output_ids == greedy_reference(tuple(req.prompt_ids))[:req.max_tokens]
+    assert sum(s.prefill_tokens for s in result.steps) == sum(r.prefill_tokens for r in result.requests)
+    assert sum(s.cached_tokens for s in result.steps) == sum(r.cached_tokens for r in result.requests)
+    assert sum(s.n_preempted for s in result.steps) == sum(r.preemptions for r in result.requests)
 
 
+def drive(engine, arrivals, check=check_tables):
+    """Serve requests online: ``arrivals`` maps a step number to the requests added before that step.
+    Checks ``check(engine)`` after every step; returns {request_id: StepOutputs} and the step records."""
+    outputs, records, step = {}, [], 0
+    while engine.has_unfinished() or any(k >= step for k in arrivals):
+        for request in arrivals.get(step, []):
+            engine.add_request(request)
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        records.append(engine.last_step)
+        check(engine)
+        step += 1
+    return outputs, records
+
+
+MODES = {"mixed": {}, "separate": {"enable_chunked_prefill": False}}
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("policy", ["continuous", "static"])
 @pytest.mark.parametrize("max_batch_size,num_blocks", [(1, None), (3, None), (8, 6)])
-def test_greedy_tokens_equal_generate_alone(policy, max_batch_size, num_blocks):
+def test_greedy_tokens_equal_generate_alone(policy, max_batch_size, num_blocks, mode):
     requests = workload(10, seed=1)
-    engine = Engine(MODEL, policy, max_batch_size=max_batch_size, num_blocks=num_blocks, block_size=8)
+    engine = Engine(MODEL, policy, max_batch_size=max_batch_size, num_blocks=num_blocks, block_size=8, **MODES[mode])
     result = engine.run(requests)
     assert all(r.status == "finished" for r in result.requests)
     check_invariants(engine, requests, result)
     if num_blocks is not None:  # 6 blocks of 8 tokens cannot hold 8 running requests: preemption happened
         assert sum(r.preemptions for r in result.requests) > 0
-        assert sum(s.n_preempted for s in result.steps) == sum(r.preemptions for r in result.requests)
         assert result.requests[0].preemptions == 0  # the oldest running request is never the victim
     else:
         assert max(s.n_running for s in result.steps) == max_batch_size
+        assert [r.prefill_tokens for r in result.requests] == [r.prompt_len for r in result.requests]
 
 
 def test_seeded_sampling_matches_generate_and_survives_preemption():
@@ -93,12 +155,16 @@ def test_requests_that_can_never_fit_are_rejected_with_a_reason():
     check_invariants(engine, requests, result)
 
 
-def test_static_waits_for_the_slowest_and_continuous_refills_at_once():
+@pytest.mark.parametrize("mode", MODES)
+def test_static_waits_for_the_slowest_and_continuous_refills_at_once(mode):
     requests = [Request(i, [10 + i, 20], m) for i, m in enumerate([1, 5, 5, 5])]
     plan = {}
     for policy in ("static", "continuous"):
-        result = Engine(MODEL, policy, max_batch_size=2).run(requests)
+        result = Engine(MODEL, policy, max_batch_size=2, **MODES[mode]).run(requests)
         plan[policy] = [(s.n_prefill, s.n_decode, s.n_padding) for s in result.steps]
+        calls = [s.model_calls for s in result.steps]
+        separate_calls = [p + (d + pad > 0) for p, d, pad in plan[policy]]  # one per prefill, one for the decode
+        assert calls == ([1] * len(calls) if mode == "mixed" else separate_calls)
     assert plan["static"] == [(2, 0, 0)] + [(0, 1, 1)] * 4 + [(2, 0, 0)] + [(0, 2, 0)] * 4
     assert plan["continuous"] == [(2, 0, 0), (1, 1, 0)] + [(0, 2, 0)] * 3 + [(1, 1, 0)] + [(0, 1, 0)] * 4
 
@@ -122,21 +188,78 @@ def test_closed_loop_keeps_n_users_in_the_system():
     assert all(r.status == "finished" for r in result.requests)
 
 
-@settings(max_examples=20, deadline=None)
-@given(data=st.data(), policy=st.sampled_from(["continuous", "static"]), max_batch_size=st.integers(1, 4),
-       block_size=st.sampled_from([2, 4, 8]), num_blocks=st.integers(1, 16), concurrency=st.sampled_from([None, 2]))
-def test_random_workloads_lose_nothing_and_stay_in_budget(data, policy, max_batch_size, block_size, num_blocks,
-                                                          concurrency):
-    n = data.draw(st.integers(1, 8), label="n")
-    requests = [Request(i, data.draw(st.lists(st.integers(0, 257), max_size=16), label="prompt"),
-                        data.draw(st.integers(1, 12), label="max_tokens"),
-                        arrival_time=data.draw(st.sampled_from([0.0, 0.01, 5.0]), label="arrival"))
-                for i in range(n)]
-    engine = Engine(MODEL, policy, max_batch_size=max_batch_size, num_blocks=num_blocks, block_size=block_size)
+def test_rejection_is_exact_at_the_pool_boundary():
+    """2 blocks of 8 tokens: a 10-token prompt with 7 new tokens caches 10 + 7 - 1 = 16 tokens (the last
+    token is never fed back) and must finish; with 8 new tokens it would cache 17 and is rejected."""
+    prompt = list(range(1, 11))
+    fits, too_long = Request("fits", prompt, 7), Request("too_long", prompt, 8)
+    engine = Engine(MODEL, max_batch_size=1, num_blocks=2, block_size=8)
+    result = engine.run([fits, too_long])
+    done, rejected = result.requests
+    assert done.status == "finished" and done.output_ids == greedy_reference(tuple(prompt))[:7]
+    assert max(s.blocks_used for s in result.steps) == 2
+    assert rejected.status == "rejected" and "needs 3 KV blocks of 8 tokens" in rejected.reason
+    assert engine.rejection(fits) is None
+    with pytest.raises(ValueError, match="'too_long' rejected: needs 3 KV blocks of 8 tokens, more than the whole"):
+        engine.add_request(too_long)
+
+
+def shared_prefix_requests(data, n):
+    """Requests whose prompts often start with the same tokens (so prefix caching finds hits)."""
+    stem = data.draw(st.lists(st.integers(0, 257), min_size=8, max_size=24), label="stem")
+    return [Request(i, stem[:data.draw(st.sampled_from([0, len(stem) // 2, len(stem)]), label="shared")]
+                    + data.draw(st.lists(st.integers(0, 257), max_size=8), label="own"),
+                    data.draw(st.integers(1, 12), label="max_tokens"),
+                    arrival_time=data.draw(st.sampled_from([0.0, 0.0, 0.01, 5.0]), label="arrival"))
+            for i in range(n)]
+
+
+def engine_settings(data, requests):
+    """A random engine: policy, batch limit, block size, step mode, budget, chunk cap, caching, and a
+    pool from one block less than the largest request needs (a rejection) to half as much again (preemption)."""
+    policy = data.draw(st.sampled_from(["continuous", "static"]), label="policy")
+    max_batch_size = data.draw(st.integers(1, 4), label="max_batch_size")
+    block_size = data.draw(st.sampled_from([2, 4, 8]), label="block_size")
+    need = max(1, max(blocks_for(len(r.prompt_ids) + r.max_tokens - 1, block_size) for r in requests))
+    kwargs = dict(policy=policy, max_batch_size=max_batch_size, block_size=block_size,
+                  num_blocks=data.draw(st.integers(max(1, need - 1), need + need // 2 + 1), label="num_blocks"))
+    if data.draw(st.booleans(), label="chunked"):
+        kwargs["max_num_batched_tokens"] = data.draw(st.integers(max_batch_size, 24), label="budget")
+        kwargs["max_prefill_chunk"] = data.draw(st.sampled_from([None, 1, 3, 8]), label="chunk")
+    else:
+        kwargs["enable_chunked_prefill"] = False
+    kwargs["enable_prefix_caching"] = policy == "continuous" and data.draw(st.booleans(), label="caching")
+    return kwargs
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), concurrency=st.sampled_from([None, 2]))
+def test_random_workloads_lose_nothing_and_stay_in_budget(data, concurrency):
+    """The reference test: any budget, chunk cap, batch limit, pool size (so preemption), caching."""
+    requests = shared_prefix_requests(data, data.draw(st.integers(2, 8), label="n"))
+    engine = Engine(MODEL, **engine_settings(data, requests))
     result = engine.run(requests, concurrency=concurrency)
     check_invariants(engine, requests, result)
     for req, rec in zip(requests, result.requests):
         assert (rec.status == "rejected") == (engine.rejection(req) is not None)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_random_online_workloads_keep_block_tables_consistent_at_every_step(data):
+    """The same, driven step by step, with the block tables checked after every step."""
+    requests = shared_prefix_requests(data, data.draw(st.integers(2, 8), label="n"))
+    engine = Engine(MODEL, **engine_settings(data, requests))
+    requests = [r for r in requests if engine.rejection(r) is None]
+    arrivals = {}
+    for r in requests:
+        arrivals.setdefault(data.draw(st.integers(0, 6), label="arrival step"), []).append(r)
+    outputs, records = drive(engine, arrivals)
+    for r in requests:
+        tokens = [t for out in outputs[r.request_id] for t in out.new_token_ids]
+        assert tokens == greedy_reference(tuple(r.prompt_ids))[:r.max_tokens]
+        assert [out.finished for out in outputs[r.request_id]] == [False] * (r.max_tokens - 1) + [True]
+    assert engine.blocks.ref_counts == [0] * engine.blocks.num_blocks
 
 
 def test_paged_cache_returns_keys_by_position_like_the_contiguous_cache():
@@ -174,3 +297,11 @@ def test_bad_arguments_raise():
         Engine(MODEL).run([Request(0, [1], 1), Request(0, [2], 1)])
     with pytest.raises(ValueError, match="concurrency=0"):
         Engine(MODEL).run([Request(0, [1], 1)], concurrency=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=4 must be >= max_batch_size=8"):
+        Engine(MODEL, max_batch_size=8, max_num_batched_tokens=4)
+    with pytest.raises(ValueError, match="max_prefill_chunk=0 must be >= 1"):
+        Engine(MODEL, max_prefill_chunk=0)
+    with pytest.raises(ValueError, match="need enable_chunked_prefill=True"):
+        Engine(MODEL, enable_chunked_prefill=False, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match="enable_prefix_caching needs policy='continuous'"):
+        Engine(MODEL, policy="static", enable_prefix_caching=True)

@@ -9,9 +9,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from minillm import KVCache, ModelConfig, build_model, get_config
 from minillm.memory import (
-    allocation_waste, arithmetic_intensity, bytes_per_element, decode_bytes, decode_flops,
-    format_bytes, generation_flops, kv_bytes_per_token, kv_cache_bytes, kv_share, matmul_params,
-    plan_capacity, prefill_flops, reserved_slots, streamed_weight_bytes, weight_bytes,
+    allocation_waste, arithmetic_intensity, bandwidth_bound_steps_per_s, bandwidth_utilisation,
+    bytes_per_element, decode_bytes, decode_flops, format_bytes, generation_flops,
+    kv_bytes_per_token, kv_cache_bytes, kv_share, matmul_params, plan_capacity, prefill_flops,
+    quantized_weight_bytes, reserved_slots, streamed_weight_bytes, weight_bytes,
 )
 
 SMALL_CONFIGS = [
@@ -220,4 +221,35 @@ def test_bad_input_raises_value_error(call, match):
 ])
 def test_bad_types_raise_type_error(call, match):
     with pytest.raises(TypeError, match=match):
+        call()
+
+
+def test_kv_share_counts_the_weights_in_their_own_dtype():
+    """The cache and the weights may differ: a float16 cache beside float32 or int8 weights."""
+    kv = kv_cache_bytes("llama-7b", 2048)  # float16 cache, 1 GiB
+    params = get_config("llama-7b").n_params
+    assert kv_share("llama-7b", 2048, weight_dtype="float32") == pytest.approx(kv / (kv + 4 * params))
+    assert kv_share("llama-7b", 2048, weight_dtype="int8") == pytest.approx(kv / (kv + params))
+    assert kv_share("llama-7b", 2048, dtype="fp8", weight_dtype="float32") == pytest.approx(
+        kv / 2 / (kv / 2 + 4 * params))
+
+
+def test_bandwidth_bound_and_utilisation():
+    """LLaMA-7B in float16 on 2,039 GB/s: about 154 steps/s at most; gpt-fast's 107 tok/s is 69% of it."""
+    weights = streamed_weight_bytes("llama-7b", "float16")
+    bound = bandwidth_bound_steps_per_s(weights, 2039e9)
+    assert bound == pytest.approx(2039e9 / weights) and 150 < bound < 160
+    assert bandwidth_utilisation(weights, 107, 2039e9) == pytest.approx(107 / bound)
+    assert bandwidth_utilisation(weights, 0, 2039e9) == 0
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: bandwidth_bound_steps_per_s(0, 1e9), "bytes_per_step=0"),
+    (lambda: bandwidth_bound_steps_per_s(1e6, math.inf), "bandwidth=inf"),
+    (lambda: bandwidth_utilisation(1e6, -1, 1e9), "steps_per_s=-1"),
+    (lambda: quantized_weight_bytes("tiny", 5), "bits=5"),
+    (lambda: quantized_weight_bytes("tiny", 4, group_size=0), "group_size=0"),
+])
+def test_bandwidth_and_quantized_bytes_reject_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
         call()

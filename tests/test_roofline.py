@@ -7,11 +7,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm import KVCache, build_model
+from minillm import KVCache, build_model, get_config
 from minillm.config import ModelConfig
-from minillm.memory import prefill_bytes
-from minillm.roofline import (matmul_flops, measure_bandwidth, measure_matmul_flops, median_time,
-                              ridge_point, roofline, roofline_time, time_decode_step, time_prefill)
+from minillm.memory import kv_bytes_per_token, prefill_bytes, streamed_weight_bytes
+from minillm.roofline import (RooflinePoint, matmul_flops, measure_bandwidth, measure_matmul_flops,
+                              median_time, prefill_share, ridge_point, roofline, roofline_time,
+                              time_decode_step, time_prefill)
 
 
 def fake_clock(readings):
@@ -170,3 +171,50 @@ def test_prefill_bytes_is_weights_plus_the_kv_written():
     weights = 1272 * 2
     kv = 2 * 2 * 1 * 4 * 2 * 5 * 3  # K and V x layers x kv heads x head_dim x bytes x 5 tokens x 3 rows
     assert prefill_bytes(config, 5, batch_size=3, dtype="float16") == weights + kv
+
+
+def test_roofline_point_places_a_measured_call():
+    peak_flops, peak_bw = 100e9, 20e9  # ridge at 5 FLOP/byte
+    compute = RooflinePoint(flops=1e9, bytes_moved=1e8, seconds=0.05, peak_flops=peak_flops,
+                            peak_bw=peak_bw)
+    assert compute.intensity == 10.0 and compute.bound == "compute"
+    assert compute.roofline_time == pytest.approx(0.01)  # 1e9 FLOP at 100 GFLOP/s
+    assert compute.slowdown == pytest.approx(5.0)
+    assert compute.mfu == pytest.approx(0.2)  # 20 GFLOP/s of 100
+    assert compute.mbu == pytest.approx(0.1)  # 2 GB/s of 20
+    memory = RooflinePoint(1e6, 1e9, 0.1, peak_flops, peak_bw)
+    assert memory.bound == "memory" and memory.roofline_time == pytest.approx(0.05)
+    assert memory.mbu == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("field, value", [("seconds", 0.0), ("bytes_moved", -1.0),
+                                          ("flops", float("nan")), ("peak_bw", 0)])
+def test_roofline_point_rejects_bad_numbers(field, value):
+    args = dict(flops=1e9, bytes_moved=1e8, seconds=0.05, peak_flops=1e11, peak_bw=2e10)
+    with pytest.raises(ValueError, match=f"{field}="):
+        RooflinePoint(**{**args, field: value})
+
+
+SHARE_CONFIG = ModelConfig(vocab_size=10, d_model=8, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=16)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_prefill_share_on_a_pure_bandwidth_machine(batch):
+    """With unlimited FLOP/s every call costs its bytes: weights W + KV bytes k per token."""
+    P, N, bw = 5, 4, 1e9
+    W, k = streamed_weight_bytes(SHARE_CONFIG, "float16"), kv_bytes_per_token(SHARE_CONFIG, "float16")
+    prefill = W + k * P
+    decode = sum(W + k * (P + j) * batch for j in range(1, N)) / batch  # steps shared by the batch
+    share = prefill_share(SHARE_CONFIG, P, N, peak_flops=1e30, peak_bw=bw, batch_size=batch)
+    assert share == pytest.approx(prefill / (prefill + decode))
+
+
+def test_prefill_share_grows_with_the_prompt_and_the_batch():
+    llama = get_config("llama-7b")
+    a100 = dict(peak_flops=312e12, peak_bw=2.039e12)
+    shares = [prefill_share(llama, p, 500, **a100) for p in (200, 2048, 16384)]
+    assert 0 < shares[0] < shares[1] < shares[2] < 1
+    assert prefill_share(llama, 200, 500, batch_size=64, **a100) > 10 * shares[0]
+    assert prefill_share(llama, 200, 1, **a100) == 1.0  # no decode step at all
+    with pytest.raises(ValueError, match="batch_size=0"):
+        prefill_share(llama, 200, 500, batch_size=0, **a100)

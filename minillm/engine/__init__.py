@@ -1,9 +1,12 @@
-"""Continuous batching on one model: requests, a paged KV pool, a scheduler, the engine loop."""
-from .block_manager import BlockManager, blocks_for
+"""Serving many requests with one model: requests, a paged KV pool with prefix caching, a scheduler
+with a per-step token budget (chunked prefill), the model runner, the engine (online and whole runs)."""
+from .block_manager import BlockManager, block_key, blocks_for
 from .engine import Engine, RunResult, StepRecord
-from .paged_cache import PagedBatchCache, PagedKVPool
-from .request import Request, RequestRecord
+from .model_runner import ModelRunner
+from .paged_cache import MixedBatchCache, PagedBatchCache, PagedKVPool
+from .request import Request, RequestRecord, StepOutput
 from .scheduler import POLICIES, Scheduler
 
-__all__ = ["BlockManager", "Engine", "POLICIES", "PagedBatchCache", "PagedKVPool", "Request", "RequestRecord",
-           "RunResult", "Scheduler", "StepRecord", "blocks_for"]
+__all__ = ["BlockManager", "Engine", "MixedBatchCache", "ModelRunner", "POLICIES", "PagedBatchCache", "PagedKVPool",
+           "Request", "RequestRecord", "RunResult", "Scheduler", "StepOutput", "StepRecord", "block_key",
+           "blocks_for"]

@@ -1,7 +1,7 @@
-"""Hands out KV-cache blocks from a fixed pool and keeps each sequence's block table."""
+"""Hands out KV-cache blocks from a fixed pool, counts who holds each, and can cache full blocks by content."""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from ..checks import check_int
 from .request import Sequence
@@ -12,31 +12,131 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
     return -(-n_tokens // block_size)
 
 
-class BlockManager:
-    """A free list over block ids ``0 .. num_blocks-1``; a block belongs to at most one sequence."""
+def block_key(parent: tuple | None, tokens: list[int]) -> tuple:
+    """The identity of a full block: its tokens and, through the parent's hash, every token before them.
 
-    def __init__(self, num_blocks: int, block_size: int):
+    A hash chain, as in vLLM and nano-vllm. The block's own tokens are compared exactly (they are part
+    of the dictionary key); the prefix before them is summarized by a 64-bit hash, so two different
+    prefixes would share a block only on a hash collision (about 2^-64 per pair of keys).
+    """
+    return (None if parent is None else hash(parent), tuple(tokens))
+
+
+class BlockManager:
+    """The pool's blocks ``0 .. num_blocks-1``, each with a reference count: how many block tables hold it.
+
+    A block held by nobody is free. With ``enable_prefix_caching``, a block full of computed tokens is
+    registered under its ``block_key``; a later sequence whose tokens start the same way reuses it
+    (its count goes up) instead of computing it again. A registered block stays findable after its
+    last holder lets go, until the pool runs short: a new block is taken first from the free blocks
+    that hold nothing reusable, then from the cached ones, least recently freed first (LRU eviction).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         check_int("num_blocks", num_blocks)
         check_int("block_size", block_size)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # taken from the front
+        self.key_of: dict[int, tuple] = {}  # block -> the key of the full block it holds (cached blocks only)
+        self.block_of: dict[tuple, int] = {}  # key -> block: the prefix cache
+
+    @property
+    def num_free(self) -> int:
+        """Blocks no sequence holds (cached ones included: they are evicted when needed)."""
+        return len(self.free_blocks)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free_ids)
+        """Blocks held by at least one sequence."""
+        return self.num_blocks - len(self.free_blocks)
+
+    @property
+    def num_cached(self) -> int:
+        """Free blocks that still hold a reusable prefix."""
+        return sum(1 for block in self.key_of if self.ref_counts[block] == 0)
 
     def can_hold(self, seq: Sequence, n_tokens: int) -> bool:
         """True when ``seq``'s table can grow to hold ``n_tokens`` tokens from the free blocks."""
-        return blocks_for(n_tokens, self.block_size) - len(seq.block_table) <= len(self.free_ids)
+        return blocks_for(n_tokens, self.block_size) - len(seq.block_table) <= len(self.free_blocks)
 
     def grow(self, seq: Sequence, n_tokens: int) -> None:
         """Give ``seq`` enough blocks for ``n_tokens`` tokens (call ``can_hold`` first)."""
         missing = blocks_for(n_tokens, self.block_size) - len(seq.block_table)
-        if missing > len(self.free_ids):
-            raise RuntimeError(f"{missing} blocks needed, {len(self.free_ids)} free")
-        seq.block_table.extend(self.free_ids.popleft() for _ in range(missing))
+        if missing > len(self.free_blocks):
+            raise RuntimeError(f"{missing} blocks needed, {len(self.free_blocks)} free")
+        seq.block_table.extend(self._take() for _ in range(missing))
+
+    def admit(self, seq: Sequence) -> bool:
+        """Give ``seq`` blocks for all its tokens, reusing the cached blocks that hold its first ones.
+
+        Sets ``seq.num_computed`` to the tokens found in the cache. Returns False, taking nothing, when
+        the free blocks are too few.
+        """
+        keys, hits = self._cached_prefix(seq)
+        missing = blocks_for(seq.num_tokens, self.block_size) - len(hits)
+        if missing + sum(self.ref_counts[b] == 0 for b in hits) > len(self.free_blocks):
+            return False
+        for block in hits:  # before taking new blocks, so that none of these is evicted
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+        seq.block_table = hits + [self._take() for _ in range(missing)]
+        seq.block_keys, seq.num_computed = keys, len(hits) * self.block_size
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register ``seq``'s blocks that are now full of computed tokens, for later sequences to reuse.
+
+        A block whose content is already cached in another block is left unregistered (one copy each).
+        """
+        if not self.enable_prefix_caching:
+            return
+        bs, tokens = self.block_size, None
+        for i in range(len(seq.block_keys), seq.num_computed // bs):
+            tokens = seq.tokens if tokens is None else tokens
+            key = block_key(seq.block_keys[-1] if seq.block_keys else None, tokens[i * bs:(i + 1) * bs])
+            seq.block_keys.append(key)
+            if key not in self.block_of:
+                self.block_of[key], self.key_of[seq.block_table[i]] = seq.block_table[i], key
 
     def free(self, seq: Sequence) -> None:
-        """Return all of ``seq``'s blocks to the pool."""
-        self.free_ids.extend(seq.block_table)
-        seq.block_table = []
+        """Drop ``seq``'s hold on its blocks. A block nobody holds any more becomes free: at the back
+        of the free list if it holds a cached prefix (tail blocks first, so they are evicted first),
+        else at the front."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+                if block not in self.key_of:
+                    self.free_blocks.move_to_end(block, last=False)
+        seq.block_table, seq.block_keys = [], []
+
+    def _take(self) -> int:
+        """A free block for one holder; a cached one is evicted (its prefix forgotten)."""
+        block, _ = self.free_blocks.popitem(last=False)
+        key = self.key_of.pop(block, None)
+        if key is not None:
+            del self.block_of[key]
+        self.ref_counts[block] = 1
+        return block
+
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[tuple], list[int]]:
+        """Keys and blocks of the longest run of ``seq``'s first full blocks found in the
+        cache.
+
+        At most ``(num_tokens - 1) // block_size`` blocks: at least one token is always
+        computed, since its logits give the next token (vLLM's rule)."""
+        keys, blocks = [], []
+        if not self.enable_prefix_caching:
+            return keys, blocks
+        bs, tokens = self.block_size, seq.tokens
+        for i in range((seq.num_tokens - 1) // bs):
+            key = block_key(keys[-1] if keys else None, tokens[i * bs:(i + 1) * bs])
+            block = self.block_of.get(key)
+            if block is None:
+                break
+            keys.append(key)
+            blocks.append(block)
+        return keys, blocks

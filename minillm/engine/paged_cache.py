@@ -1,9 +1,11 @@
-"""Paged KV cache: one pool of blocks per layer, and a per-call view that speaks the model's cache protocol."""
+"""Paged KV cache: one pool of blocks per layer, a per-call view that speaks the model's cache protocol, and
+the mixed view of several batches in one row of tokens (the engine's mixed step)."""
 from __future__ import annotations
 
 import torch
 
 from ..config import ModelConfig
+from ..model import attention_mask
 
 
 class PagedKVPool:
@@ -82,3 +84,52 @@ class PagedBatchCache:
     def commit(self, positions: torch.Tensor) -> None:
         """After a forward pass: each row's length becomes its last position + 1."""
         self.lengths = positions[:, -1] + 1
+
+
+class MixedBatchCache:
+    """Several batches in one row of tokens: the cache of the engine's mixed step (vLLM's flat layout).
+
+    ``parts``: ``(rows, length, PagedBatchCache)`` per batch, laid out back to back in the row
+    (e.g. every decode row as a ``(B, 1)`` batch, then each prefill chunk as a ``(1, t)`` batch). The
+    model computes every projection and the MLP once over all the row's tokens; attention runs batch
+    by batch (``split``, then ``join``), each batch reading and writing its own blocks with its own
+    causal mask, so no token attends to another sequence and no padding is computed.
+    """
+
+    def __init__(self, parts: list[tuple[int, int, PagedBatchCache]], n_groups: int):
+        self.parts, self.n_groups = parts, n_groups
+        self._positions = self._masks = None  # per part, set by check_room
+
+    def _cut(self, x: torch.Tensor):
+        """x: (1, heads, N, D) -> one (rows, heads, length, D) tensor per part."""
+        out, start = [], 0
+        for rows, length, _ in self.parts:
+            out.append(x[0, :, start:start + rows * length].unflatten(1, (rows, length)).transpose(0, 1))
+            start += rows * length
+        return out
+
+    def check_room(self, positions: torch.Tensor) -> None:
+        """positions: (1, N). Checks each part's room and builds each part's causal mask once per call."""
+        n = sum(rows * length for rows, length, _ in self.parts)
+        if positions.shape != (1, n):
+            raise ValueError(f"positions shape {tuple(positions.shape)} != (1, {n}), the parts' tokens")
+        self._positions, self._masks, start = [], [], 0
+        for rows, length, cache in self.parts:
+            pos = positions[0, start:start + rows * length].view(rows, length)  # (rows, length)
+            cache.check_room(pos)
+            self._positions.append(pos)
+            self._masks.append(attention_mask(pos, int(pos.max()) + 1, self.n_groups, cached=True))
+            start += rows * length
+
+    def split(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """q: (1, H, N, D), k, v: (1, Hkv, N, D) -> per part, the arguments of ``Attention.attend``."""
+        return zip(self._cut(q), self._cut(k), self._cut(v), self._positions, self._masks,
+                   [cache for _, _, cache in self.parts])
+
+    def join(self, outs: list[torch.Tensor]) -> torch.Tensor:
+        """Per part (rows, H, length, D) -> (1, H, N, D), back in the row's order."""
+        return torch.cat([o.transpose(0, 1).flatten(1, 2) for o in outs], dim=1)[None]
+
+    def commit(self, positions: torch.Tensor) -> None:
+        for (_, _, cache), pos in zip(self.parts, self._positions):
+            cache.commit(pos)

@@ -50,6 +50,8 @@ class RequestRecord:
     """What happened to one request; every time is in seconds from the start of the run.
 
     ``minillm.metrics`` reads TTFT, TPOT, ITL and E2E latency from ``arrival_time`` and ``token_times``.
+    Each time the request is admitted (once, plus once per preemption) its tokens so far are either
+    found in the prefix cache or computed: ``cached_tokens + prefill_tokens`` sums them over admissions.
     """
 
     request_id: int | str
@@ -61,13 +63,29 @@ class RequestRecord:
     token_times: list[float]  # one per output token, the first included
     finish_time: float
     preemptions: int
+    cached_tokens: int = 0  # tokens taken from the prefix cache instead of computed, over all admissions
+    prefill_tokens: int = 0  # tokens computed in prefill, over all admissions (recomputation included)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one engine step produced for one request (``Engine.step`` returns one per request that
+    got a token; a request whose prompt chunk did not reach its end gets none that step)."""
+
+    request_id: int | str
+    new_token_ids: list[int]  # the tokens this step added (one here; a list, as in vLLM)
+    finished: bool
+    finish_reason: str | None  # "eos" or "max_tokens" once finished, else None
+    time: float  # seconds on the engine's clock when the tokens were ready
 
 
 class Sequence:
-    """A request's state inside the engine: its tokens, its blocks, its clock readings.
+    """A request's state inside the engine: its tokens, its blocks, its progress, its clock readings.
 
-    Invariant while running: the KV cache holds every token but the last one (``num_tokens - 1``);
-    the next decode step feeds the last token at position ``num_tokens - 1``.
+    ``num_computed`` tokens have their K, V in the cache. When admitted (again, after a preemption)
+    every token it holds is prefill, computed in chunks (or found in the prefix cache) up to
+    ``prefill_end``; the chunk that reaches it yields the next token. After that, each step feeds the
+    last token at position ``num_tokens - 1`` (decode): the cache then holds every token but the last.
     """
 
     def __init__(self, request: Request, device: torch.device):
@@ -75,9 +93,12 @@ class Sequence:
         self.output_ids: list[int] = []
         self.token_times: list[float] = []
         self.block_table: list[int] = []
+        self.block_keys: list = []  # prefix caching: the keys of the full blocks it has registered or reused
+        self.num_computed = self.prefill_end = 0
         self.arrival_time: float | None = None  # known once it arrives (closed loop: on release)
         self.finish_time: float | None = None
         self.status, self.reason, self.preemptions = "pending", "", 0
+        self.cached_tokens = self.prefill_tokens = 0
         self.generator = (torch.Generator(device=device).manual_seed(request.seed)
                           if request.seed is not None else None)
 
@@ -94,7 +115,12 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.request.prompt_ids) + len(self.output_ids)
 
+    @property
+    def prefilling(self) -> bool:
+        """True until the prefill since its last admission has reached its end."""
+        return self.num_computed < self.prefill_end
+
     def record(self) -> RequestRecord:
         return RequestRecord(self.request.request_id, self.status, self.reason, len(self.request.prompt_ids),
                              list(self.output_ids), self.arrival_time, list(self.token_times),
-                             self.finish_time, self.preemptions)
+                             self.finish_time, self.preemptions, self.cached_tokens, self.prefill_tokens)

@@ -1,0 +1,220 @@
+"""Generation speed on a trained model, SmolLM2-135M-Instruct, measured side by side in one run.
+
+a. minillm cached decode vs ``transformers.LlamaForCausalLM.generate`` on the same weights (minillm's,
+   copied with ``minillm.hf.to_transformers``, attention "sdpa" in both): tokens/s and their ratio.
+b. minillm naive recompute vs KV-cached decode at 64, 128 and 256 new tokens.
+c. The time of one decode step against batch size 1 ... 32 at a fixed context.
+d. Memory-bandwidth utilisation of decode (gpt-fast's "MBU"): (weight bytes + KV bytes read per step) x
+   steps/s, over the copy bandwidth ``minillm.roofline.measure_bandwidth`` measures in the same run.
+
+Batch 1 (a, b), float32, greedy, a fixed prompt, EOS disabled; a and b check that the compared paths give
+identical tokens and exit with FAIL otherwise. Targets: minillm >= 1.1x transformers; cached >= 10x naive
+at 256 new tokens.
+
+    python benchmarks/bench_smollm2.py [--threads N] [--repeats R] [--device auto|cpu|cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Callable, NamedTuple
+
+import torch
+import transformers
+
+from minillm import load_pretrained, now, stream_generate
+from minillm.device import DEVICE_NAMES
+from minillm.hf import to_transformers
+from minillm.memory import decode_bytes, kv_cache_bytes, streamed_weight_bytes
+from minillm.roofline import measure_bandwidth, time_decode_step
+
+MODEL = "smollm2-135m-instruct"
+PROMPT = "Once upon a time, in a small village,"
+HF_TOKENS = 128  # part a
+LENGTHS = (64, 128, 256)  # part b
+BATCHES = (1, 2, 4, 8, 16, 32)  # part c
+BATCH_CONTEXT = 256  # tokens each row attends in part c
+STEP_REPEATS = 5  # timed decode steps per batch size in part c
+COPY_BYTES = 256 * 2 ** 20  # the bandwidth probe's buffer: far larger than any CPU's last-level cache
+TARGET_MINILLM_OVER_HF = 1.1
+TARGET_CACHED_OVER_NAIVE, TARGET_AT = 10.0, 256
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed runs per contender in a and of the cached path in b (default 3); the naive "
+                             "path in b runs once per length (its 256-token run takes minutes on one core)")
+    parser.add_argument("--device", choices=DEVICE_NAMES, default="auto", help="default: auto (CUDA if present)")
+    args = parser.parse_args()
+    if args.threads < 1:
+        parser.error(f"--threads={args.threads} must be >= 1")
+    if args.repeats < 1:
+        parser.error(f"--repeats={args.repeats} must be >= 1")
+    return args
+
+
+class Run(NamedTuple):
+    """One timed generation."""
+
+    tokens: list[int]
+    wall: float  # seconds, prefill + decode (minillm.timing.now: device synchronized)
+    cpu: float  # this process's CPU seconds over the same span (time.process_time)
+    tpot: float | None  # mean seconds of a decode step (minillm only)
+
+
+def run_minillm(model, prompt: list[int], n: int, use_cache: bool) -> Run:
+    """One greedy minillm run with EOS disabled, timed token by token."""
+    cpu, start = time.process_time(), now(model.device)
+    events = list(stream_generate(model, prompt, n, use_cache=use_cache, eos_token_id=None))
+    cpu = time.process_time() - cpu
+    tpot = (events[-1].time - events[0].time) / (n - 1)
+    return Run([e.token_id for e in events], events[-1].time - start, cpu, tpot)
+
+
+def run_transformers(hf_model, prompt: list[int], n: int) -> Run:
+    """``generate``, greedy, for n tokens (the model's config has no EOS)."""
+    ids = torch.tensor([prompt], device=hf_model.device)  # (1, T)
+    cpu, start = time.process_time(), now(hf_model.device)
+    with torch.inference_mode():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    wall, cpu = now(hf_model.device) - start, time.process_time() - cpu
+    return Run(out[0, ids.shape[1]:].tolist(), wall, cpu, None)
+
+
+def interleaved(repeats: dict[str, int], runs: dict[str, Callable[[], Run]]) -> dict[str, list[Run]]:
+    """Contenders alternate, so a busy machine slows them alike; ``repeats`` timed runs each."""
+    results: dict[str, list[Run]] = {name: [] for name in runs}
+    for i in range(max(repeats.values())):
+        for name, fn in runs.items():
+            if i < repeats[name]:
+                results[name].append(fn())
+    return results
+
+
+def tokens_per_s(n: int, runs: list[Run], clock: str = "wall") -> float:
+    """n / the median seconds of ``clock`` ("wall" or "cpu")."""
+    return n / statistics.median(getattr(r, clock) for r in runs)
+
+
+def check_identical(results: dict[str, list[Run]], what: str) -> bool:
+    """Every run of every contender produced the same tokens; exits with FAIL otherwise."""
+    outputs = {tuple(r.tokens) for runs in results.values() for r in runs}
+    if len(outputs) != 1:
+        sys.exit(f"FAIL: {' and '.join(results)} tokens differ ({what})")
+    return True
+
+
+def verdict(holds: bool) -> str:
+    return "met" if holds else "NOT met"
+
+
+def minillm_vs_transformers(model, prompt, repeats) -> list[Run]:
+    """Part a; returns minillm's runs (part d reads their decode step time)."""
+    hf_model = to_transformers(model, "sdpa", bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    n = HF_TOKENS
+    print(f"\na. minillm cached decode vs transformers {transformers.__version__} LlamaForCausalLM.generate "
+          f"(minillm's weights copied with minillm.hf.to_transformers, sdpa attention in both; {n} new tokens, "
+          f"{repeats} timed runs each after one warm-up, alternating)")
+    runs = {"minillm": lambda: run_minillm(model, prompt, n, True),
+            "transformers": lambda: run_transformers(hf_model, prompt, n)}
+    interleaved({"minillm": 1, "transformers": 1}, runs)  # warm-up
+    results = interleaved({"minillm": repeats, "transformers": repeats}, runs)
+    same = check_identical(results, f"{n} new tokens")
+    print(f"{'':>12} | {'tok/s':>7} | {'ms/token':>8} | {'tok/CPU-s':>9}")
+    for name, rs in results.items():
+        wall = tokens_per_s(n, rs)
+        print(f"{name:>12} | {wall:>7.1f} | {1e3 / wall:>8.2f} | {tokens_per_s(n, rs, 'cpu'):>9.1f}")
+    ratio, cpu_ratio = (tokens_per_s(n, results["minillm"], c) / tokens_per_s(n, results["transformers"], c)
+                        for c in ("wall", "cpu"))
+    print(f"minillm / transformers tokens/s: {ratio:.2f}x (target >= {TARGET_MINILLM_OVER_HF}x: "
+          f"{verdict(ratio >= TARGET_MINILLM_OVER_HF)}); by CPU time: {cpu_ratio:.2f}x; identical tokens: {same}")
+    return results["minillm"]
+
+
+def naive_vs_cached(model, prompt, repeats) -> None:
+    print(f"\nb. minillm naive recompute vs KV cache (greedy; cached: {repeats} timed runs per length, naive: 1, "
+          "as its long runs take minutes on one core; one 8-token warm-up of each path first)")
+    for use_cache in (False, True):
+        run_minillm(model, prompt, 8, use_cache)
+    print(f"{'new tokens':>10} | {'naive tok/s':>11} | {'cached tok/s':>12} | {'cached/naive':>12} | "
+          f"{'CPU-time ratio':>14} | {'naive s':>7} | identical tokens")
+    for n in LENGTHS:
+        results = interleaved({"naive": 1, "cached": repeats},
+                              {"naive": lambda: run_minillm(model, prompt, n, False),
+                               "cached": lambda: run_minillm(model, prompt, n, True)})
+        same = check_identical(results, f"{n} new tokens")
+        naive, cached = (tokens_per_s(n, results[k]) for k in ("naive", "cached"))
+        cpu_ratio = tokens_per_s(n, results["cached"], "cpu") / tokens_per_s(n, results["naive"], "cpu")
+        print(f"{n:>10} | {naive:>11.2f} | {cached:>12.1f} | {cached / naive:>11.1f}x | {cpu_ratio:>13.1f}x | "
+              f"{results['naive'][0].wall:>7.1f} | {same}")
+    print(f"cached >= {TARGET_CACHED_OVER_NAIVE:.0f}x naive at {TARGET_AT} new tokens: {cached / naive:.1f}x "
+          f"({verdict(cached / naive >= TARGET_CACHED_OVER_NAIVE)})")
+
+
+def batch_sweep(model, bandwidth: float) -> None:
+    """Parts c and d by batch size: step time, tokens/s, and the MBU of each step."""
+    dtype = model.dtype
+    print(f"\nc. One decode step against batch size (every row attends {BATCH_CONTEXT} cached positions; random "
+          f"token ids; median of {STEP_REPEATS} steps after one warm-up, minillm.roofline.time_decode_step)")
+    print(f"{'batch':>5} | {'ms/step':>8} | {'x batch 1':>9} | {'tok/s':>7} | {'MB read/step':>12} | {'MBU':>5}")
+    base = None
+    for batch in BATCHES:
+        seconds = time_decode_step(model, BATCH_CONTEXT, batch, repeats=STEP_REPEATS)
+        base = base or seconds
+        read = decode_bytes(model.config, BATCH_CONTEXT, batch, dtype)
+        print(f"{batch:>5} | {seconds * 1e3:>8.2f} | {seconds / base:>8.2f}x | {batch / seconds:>7.1f} | "
+              f"{read / 1e6:>12.1f} | {read / seconds / bandwidth:>5.0%}")
+    print(f"(a step at batch {BATCHES[-1]} does {BATCHES[-1]}x the work of batch 1; where it takes far less than "
+          f"{BATCHES[-1]}x the time, decode is bound by reading the weights, which every row shares)")
+
+
+def bandwidth_utilisation(model, prompt_len: int, runs: list[Run], bandwidth: float) -> None:
+    """Part d for batch-1 generation: the runs of part a."""
+    n, dtype = HF_TOKENS, model.dtype
+    context = prompt_len + n // 2  # mean context of the decode steps
+    weights, kv = streamed_weight_bytes(model.config, dtype), kv_cache_bytes(model.config, context, 1, dtype)
+    step = statistics.median(r.tpot for r in runs)
+    achieved = (weights + kv) / step
+    print(f"\nd. Memory-bandwidth utilisation of batch-1 decode (gpt-fast's MBU), from part a's minillm runs")
+    print(f"bytes read per step: {weights / 1e6:.1f} MB of weights + {kv / 1e6:.1f} MB of KV cache (mean context "
+          f"{context} tokens) = {(weights + kv) / 1e6:.1f} MB")
+    print(f"decode step (TPOT, median of {len(runs)} runs): {step * 1e3:.2f} ms = {1 / step:.1f} steps/s "
+          f"-> {achieved / 1e9:.2f} GB/s")
+    print(f"copy bandwidth measured in this run (torch copy of {COPY_BYTES / 2 ** 20:.0f} MiB, read + write "
+          f"counted, threads {torch.get_num_threads()}): {bandwidth / 1e9:.2f} GB/s")
+    print(f"MBU = {achieved / 1e9:.2f} / {bandwidth / 1e9:.2f} = {achieved / bandwidth:.0%} (the rest of each "
+          f"step: compute and per-step overhead; the floor, all bytes at copy speed, is "
+          f"{(weights + kv) / bandwidth * 1e3:.2f} ms/step)")
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    model, tokenizer = load_pretrained(MODEL, device=args.device, dtype="float32")
+    loaded = time.perf_counter() - start
+    prompt = tokenizer.encode(PROMPT)
+    c = model.config
+    threads = f", threads {torch.get_num_threads()}" if model.device.type == "cpu" else ""
+    print(f"bench_smollm2: torch {torch.__version__}, device {model.device}, dtype float32{threads}")
+    print(f"model: SmolLM2-135M-Instruct (trained; minillm.load_pretrained, loaded in {loaded:.1f} s), "
+          f"{c.n_params / 1e6:.1f}M parameters, {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads / "
+          f"{c.n_kv_heads} kv heads, sdpa attention")
+    print(f"workload: batch 1 (a, b), prompt {PROMPT!r} = {len(prompt)} tokens, greedy, EOS disabled (exactly "
+          "the asked new tokens); medians")
+    print("tokens/s = new tokens / wall seconds of prefill + all decode steps; the CPU-time ratio uses this "
+          "process's CPU seconds instead (steadier than wall time on a busy machine, with --threads 1)")
+    bandwidth = measure_bandwidth(COPY_BYTES, device=model.device)
+    runs = minillm_vs_transformers(model, prompt, args.repeats)
+    naive_vs_cached(model, prompt, args.repeats)
+    batch_sweep(model, bandwidth)
+    bandwidth_utilisation(model, len(prompt), runs, bandwidth)
+    print(f"\ntotal time of the benchmark: {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""The engine on a thread of its own: HTTP handlers submit and abort requests, the thread steps the engine.
+
+The engine is not thread-safe, so exactly one thread touches it. Handlers (on the asyncio event loop)
+put commands on a queue; the engine thread applies them between steps (a request that arrives while a
+step runs joins the next one: continuous batching across HTTP requests) and hands each new token to
+the request's stream with ``call_soon_threadsafe``. While nothing is waiting or running it sleeps on
+the queue instead of spinning.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from ..engine import Engine, Request, RequestRecord, StepOutput
+
+log = logging.getLogger("minillm.serving")
+RECORDS_KEPT = 4096  # finished requests whose engine records the server keeps (oldest dropped first)
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """The engine's load after its latest step or command (what ``/health`` reports)."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    finished: int  # requests finished since the server started
+    aborted: int  # requests dropped because their client left
+    steps: int
+
+
+class RequestStream:
+    """The ``StepOutput`` s of one request, as an async iterator that ends after the finished one.
+
+    ``close()`` aborts the request in the engine if it has not finished (its client left)."""
+
+    def __init__(self, owner: EngineLoop, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.owner, self.request_id, self.loop = owner, request_id, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.done = False
+
+    def put(self, item: StepOutput | Exception) -> None:
+        """Called on the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: the server is shutting down
+            pass
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StepOutput:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            self.done = True
+            raise item
+        self.done = item.finished
+        return item
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.owner.abort(self.request_id)
+
+
+class EngineLoop:
+    """Owns an ``Engine`` and the thread that drives it (``start`` / ``stop``)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[str, RequestStream] = {}  # engine thread only
+        self.sequences: dict = {}  # engine thread only: request id -> the engine's Sequence
+        self.records: deque[RequestRecord] = deque(maxlen=RECORDS_KEPT)
+        self.records_lock = threading.Lock()
+        self.finished = self.aborted = self.steps = 0
+        self.stats = self._snapshot()
+        self.thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is left, end the thread."""
+        self.commands.put(("stop", None))
+        self.thread.join(timeout)
+
+    def submit(self, request: Request, received: float) -> RequestStream:
+        """Queue ``request``, which reached the server at ``time.perf_counter()`` = ``received`` (call on
+        the event loop; check ``engine.rejection`` first)."""
+        stream = RequestStream(self, request.request_id, asyncio.get_running_loop())
+        self.commands.put(("add", (request, stream, received)))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(("abort", request_id))
+
+    def finished_records(self) -> list[RequestRecord]:
+        with self.records_lock:
+            return list(self.records)
+
+    # ---- the engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            commands = []
+            try:  # block only when idle; between steps take whatever has arrived
+                commands.append(self.commands.get(block=not self.engine.has_unfinished()))
+                while True:
+                    commands.append(self.commands.get_nowait())
+            except queue.Empty:
+                pass
+            for kind, payload in commands:
+                if kind == "stop":
+                    self._abort_all(RuntimeError("the server is shutting down"))
+                    return
+                if kind == "add":
+                    self._add(*payload)
+                else:
+                    self._abort(payload)
+            outputs = self._step() if self.engine.has_unfinished() else []
+            self.stats = self._snapshot()
+            for out in outputs:
+                self.streams[out.request_id].put(out)
+                if out.finished:
+                    del self.streams[out.request_id]
+
+    def _add(self, request: Request, stream: RequestStream, received: float) -> None:
+        # it arrived when the server received it, not when this thread got to it after the step in flight
+        # (as in an offline run, where a request arriving mid-step waits for the step's end)
+        arrival = self.engine.clock() - (time.perf_counter() - received)
+        try:
+            self.engine.add_request(request, arrival_time=arrival)
+        except ValueError as error:
+            stream.put(error)
+            return
+        self.streams[request.request_id] = stream
+        self.sequences[request.request_id] = self.engine.live[request.request_id]
+
+    def _abort(self, request_id: str) -> None:
+        if self.engine.abort(request_id):
+            self.aborted += 1
+            self.streams.pop(request_id, None)
+            self._keep(self.sequences.pop(request_id).record())
+
+    def _step(self) -> list[StepOutput]:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # a bug: fail the requests in flight, keep serving
+            log.exception("engine step failed")
+            self._abort_all(RuntimeError(f"engine step failed: {error!r}"))
+            return []
+        self.steps += 1
+        for out in outputs:
+            if out.finished:
+                self.finished += 1
+                self._keep(self.sequences.pop(out.request_id).record())
+        return outputs
+
+    def _abort_all(self, error: Exception) -> None:
+        for request_id, stream in list(self.streams.items()):
+            self.engine.abort(request_id)
+            self.sequences.pop(request_id, None)
+            stream.put(error)
+        self.streams.clear()
+
+    def _keep(self, record: RequestRecord) -> None:
+        with self.records_lock:
+            self.records.append(record)
+
+    def _snapshot(self) -> LoadStats:
+        scheduler, blocks = self.engine.scheduler, self.engine.blocks
+        return LoadStats(len(scheduler.running), len(scheduler.waiting), blocks.num_used, blocks.num_blocks,
+                         self.finished, self.aborted, self.steps)

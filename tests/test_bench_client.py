@@ -1,0 +1,160 @@
+"""``python -m minillm bench``: chunk timestamps become vLLM's metrics (checked on a scripted server with a
+fake clock), failures are counted, and on a real minillm server the client's numbers equal the engine's
+own plus the HTTP time the client measures."""
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from minillm import bench_client
+from minillm.bench_client import (compare_with_engine, fetch_engine_records, main, parse_slo, payload,
+                                  run_benchmark)
+from minillm.engine import Request
+from minillm.metrics import SLO, e2e_latency, itls, tpot, ttft
+from minillm.sampling import SamplingParams
+from minillm.workload import poisson_arrivals, random_requests
+from test_server import server  # noqa: F401  (the fixture: a tiny-model server on 127.0.0.1)
+
+
+class FakeClock:
+    """Seconds that pass only when the scripted server says so."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def scripted_server(clock: FakeClock, scripts: dict):
+    """An httpx transport answering each prompt (by its first id) with a script of
+    (seconds to wait, event); an int status instead of a script answers with that error."""
+    async def handler(request: httpx.Request) -> httpx.Response:
+        script = scripts[json.loads(request.content)["prompt"][0]]
+        if isinstance(script, int):
+            return httpx.Response(script, json={"error": {"message": "no"}})
+
+        async def events():
+            for wait, event in script:
+                clock.t += wait
+                yield f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n".encode()
+
+        return httpx.Response(200, content=events(), headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+def token(text, finish=None, ids=None):
+    choice = {"index": 0, "text": text, "finish_reason": finish} | ({"token_ids": ids} if ids else {})
+    return {"id": "cmpl-1", "choices": [choice], "usage": None}
+
+
+def used(n_prompt, n_out):
+    return {"id": "cmpl-1", "choices": [], "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out}}
+
+
+SCRIPTS = {
+    1: [(0.100, token("a")), (0.020, token("b")), (0.030, token("c", "length")), (0, used(6, 3)), (0, "[DONE]")],
+    2: [(0.050, token("xy", ids=[7, 8])), (0.010, token("z", "length", ids=[9])), (0, used(4, 3)), (0, "[DONE]")],
+    3: 400,
+    4: [(0.010, token("a")), (0.010, {"error": {"message": "engine failed"}})],
+    5: [(0.010, token("a")), (0.010, token("b", "length")), (0, used(2, 3)), (0, "[DONE]")],
+}
+
+
+def run_scripted(**kwargs):
+    clock = FakeClock()
+    requests = [Request(i, [p, 0, 0], 3) for i, p in enumerate(SCRIPTS)]
+    return run_benchmark("http://fake/v1", "m", requests, concurrency=1, clock=clock,
+                         transport=scripted_server(clock, SCRIPTS), **kwargs)
+
+
+def test_chunk_arrival_times_give_vllms_metrics():
+    result = run_scripted(slo=SLO(ttft=0.08))
+    one, two, bad, broken, short = result.records
+    assert one.token_times == pytest.approx([0.1, 0.12, 0.15]) and one.arrival_time == 0
+    assert (ttft(one), tpot(one), *itls(one), e2e_latency(one)) == pytest.approx((0.1, 0.025, 0.02, 0.03, 0.15))
+    assert (one.text, one.finish_reason, one.usage_tokens, one.prompt_len) == ("abc", "length", 3, 6)
+    assert two.arrival_time == pytest.approx(0.15)  # closed loop: sent when the first ended
+    assert two.token_times == pytest.approx([0.2, 0.2, 0.21])  # a chunk of two tokens: two equal times
+    assert "HTTP 400" in bad.error and bad.token_times == []
+    assert "engine failed" in broken.error and broken.token_times == []
+    assert result.count_mismatches == 1  # the last one: two chunks, usage says three tokens
+    m = result.metrics
+    assert (m.n_requests, m.n_completed, m.n_failed, m.output_tokens) == (5, 3, 2, 8)
+    assert m.duration == pytest.approx(0.25) and m.output_throughput == pytest.approx(8 / 0.25)
+    assert m.n_good == 2  # TTFT 0.1 s misses 80 ms; 50 ms and 10 ms meet it
+    assert m.ttft.values == pytest.approx((0.1, 0.05, 0.01))
+    saved = json.loads(json.dumps(result.to_json()))
+    assert saved["metrics"]["ttft_ms"]["p50"] == pytest.approx(50) and saved["metrics"]["goodput"] == pytest.approx(2 / 0.25)
+    assert saved["requests"][2]["error"].startswith("ValueError: HTTP 400")
+
+
+def test_it_runs_inside_a_running_event_loop_as_in_a_notebook():
+    async def in_a_loop():
+        return run_scripted()
+
+    assert asyncio.run(in_a_loop()).metrics.n_completed == 3
+
+
+def test_the_request_body():
+    request = Request(0, [1, 2], 5, sampling=SamplingParams(0.7, 20, 0.9), ignore_eos=True, seed=3)
+    assert payload("m", request) == {
+        "model": "m", "prompt": [1, 2], "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 3,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    assert "top_k" not in payload("m", Request(0, [1], 5)) and "ignore_eos" not in payload("m", Request(0, [1], 5))
+
+
+def test_slo_and_argument_errors(capsys):
+    assert parse_slo(["ttft:300", "tpot:30"]) == SLO(ttft=0.3, tpot=0.03)
+    for bad in (["ttft"], ["latency:5"], ["tpot:fast"]):
+        with pytest.raises(ValueError, match="--goodput"):
+            parse_slo(bad)
+    for argv, words in ((["--request-rate", "5", "--concurrency", "2"], "not both"),
+                        (["--goodput", "ttft:x"], "milliseconds"), (["--prompt-len", "9", "3"], "low 9 > high 3"),
+                        (["--request-rate", "0"], "rate=0.0")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and words in capsys.readouterr().err
+    assert main(["--url", "http://127.0.0.1:9/v1"]) == 1  # nobody listens on port 9
+    assert "cannot list the models" in capsys.readouterr().err
+
+
+def test_the_client_equals_the_engine_plus_the_http_time_it_measures(server):  # noqa: F811
+    requests = random_requests(16, (8, 48), (4, 16), seed=1, vocab_size=258,
+                               arrival_times=poisson_arrivals(16, 40.0, seed=1))
+    result = run_benchmark(server.url, "tiny", requests, timeout=30)
+    assert result.metrics.n_completed == 16 and result.count_mismatches == 0
+    comparison = compare_with_engine(result, fetch_engine_records(server.url))
+    assert len(comparison.pairs) == 16
+    for (client, engine), request in zip(comparison.pairs, requests):
+        n = request.max_tokens
+        assert len(client.token_times) == len(engine.token_times) == client.usage_tokens == n
+        added_ttft, added_e2e = ttft(client) - ttft(engine), e2e_latency(client) - e2e_latency(engine)
+        assert added_ttft >= 0 and added_e2e >= 0  # no token reaches the client before the engine made it
+        if n > 1:  # TPOT differs by exactly how much longer the last token's trip was than the first's
+            assert tpot(client) - tpot(engine) == pytest.approx((added_e2e - added_ttft) / (n - 1), abs=1e-9)
+        assert sum(itls(client)) == pytest.approx(sum(itls(engine)) + added_e2e - added_ttft, abs=1e-9)
+    assert comparison.added_ttft.n == 16 and min(comparison.added_ttft.values) >= 0
+    closed = run_benchmark(server.url, "tiny", requests[:8], concurrency=4, timeout=30)
+    assert closed.metrics.n_completed == 8 and [r.request_id for r in closed.records] == list(range(8))
+
+
+def test_the_command_line_against_a_server(server, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "run.json"
+    argv = ["--url", server.url, "--num-requests", "6", "--request-rate", "30", "--prompt-len", "8", "16",
+            "--output-len", "4", "8", "--vocab-size", "258", "--goodput", "ttft:1000", "--compare-engine",
+            "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "model 'tiny'" in printed and "6 / 6" in printed and "6 requests seen by both" in printed
+    saved = json.loads(out.read_text())
+    assert saved["metrics"]["completed"] == 6 and saved["arguments"]["request_rate"] == 30
+    assert saved["engine"]["metrics"]["completed"] == 6 and len(saved["requests"]) == 6
+
+
+def test_http_errors_are_recorded_not_raised(server):  # noqa: F811
+    result = run_benchmark(server.url, "no-such-model", [Request(0, [1, 2], 3)], timeout=30)
+    assert result.metrics.n_failed == 1 and "HTTP 404" in result.records[0].error
+    assert bench_client.list_models(server.url) == ["tiny"]

@@ -1,0 +1,295 @@
+"""The labs: stubs as committed fail every check, the reference solutions pass every one, and the
+checker's reports (scores, wrong types, exceptions) read as the learner needs them."""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import json
+import pathlib
+import re
+
+import pytest
+import torch
+
+from minillm import ByteTokenizer, build_model
+from minillm.labs import TASKS, check, function_names, grade
+from minillm.labs import lab2_1, lab2_2, lab2_3, lab2_4
+from minillm.labs.__main__ import main as labs_cli
+from minillm.labs.batching import Spec, simulate
+from minillm.labs.checker import lab_tasks
+from minillm.labs.notebooks import functions_from_notebook, grade_notebook, lab_cells
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LABS = sorted((ROOT / "book" / "labs").glob("lab*.ipynb"))
+IDS = {path: re.match(r"lab(\d)_(\d)_", path.name).expand(r"\1.\2") for path in LABS}
+
+
+def _load(path: pathlib.Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def solutions(lab: str):
+    """The reference solutions of lab "2.N" as {name: function}."""
+    module = _load(ROOT / "instructor" / "solutions" / f"lab{lab.replace('.', '_')}.py", f"solution_{lab}")
+    return {name: getattr(module, name) for name in function_names(lab)}
+
+
+APPLY = _load(ROOT / "instructor" / "apply_solutions.py", "apply_solutions")
+
+
+def test_there_are_four_labs_one_per_chapter():
+    assert sorted(IDS.values()) == ["2.1", "2.2", "2.3", "2.4"]
+    assert sorted({t.lab for t in TASKS.values()}) == ["2.1", "2.2", "2.3", "2.4"]
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.name)
+def test_notebook_holds_the_untouched_stubs(path):
+    """Each lab function is defined once, in a stub cell whose body is only `raise NotImplementedError`
+    (after its docstring), with the reference solution's signature."""
+    lab = IDS[path]
+    functions, problems = functions_from_notebook(path)
+    assert not problems
+    assert sorted(functions) == sorted(function_names(lab))
+    reference = solutions(lab)
+    defined = [name for _, source in lab_cells(path) for name in
+               (n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef))]
+    assert sorted(defined) == sorted(function_names(lab)), "each function once, in a cell of its own lab"
+    for index, source in lab_cells(path):
+        assert source.startswith("# YOUR CODE: task"), f"cell {index} is not marked as a stub"
+        for node in (n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)):
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            assert ast.unparse(body[0]) == "raise NotImplementedError" and len(body) == 1, node.name
+    for name, stub in functions.items():
+        assert inspect.signature(stub) == inspect.signature(reference[name]), name
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.name)
+def test_every_checker_fails_on_the_stubs(path):
+    reports, problems = grade_notebook(path)
+    assert not problems
+    assert [r.task for r in reports] == [t.name for t in lab_tasks(IDS[path])]
+    for report in reports:
+        assert report.passed == 0 and report.total >= 2, report.task
+        assert report.not_written, report.text()
+
+
+@pytest.mark.parametrize("lab", ["2.1", "2.2", "2.3", "2.4"])
+def test_every_checker_passes_on_the_reference_solutions(lab):
+    reports = grade(**solutions(lab))
+    assert [r.task for r in reports] == [t.name for t in lab_tasks(lab)]
+    failing = [r.text() for r in reports if not r.all_passed]
+    assert not failing, "\n".join(failing)
+
+
+@pytest.mark.parametrize("path", LABS, ids=lambda p: p.name)
+def test_solved_copy_of_the_notebook_scores_full_marks(path, tmp_path):
+    out = tmp_path / path.name
+    assert APPLY.apply(path, out) == len(lab_cells(path))
+    reports, problems = grade_notebook(out)
+    assert not problems
+    assert sum(r.passed for r in reports) == sum(r.total for r in reports) == sum(
+        len(t.properties) for t in lab_tasks(IDS[path]))
+    committed = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    solved = json.loads(out.read_text(encoding="utf-8"))["cells"]
+    stubs = {index for index, _ in lab_cells(path)}
+    assert [c["source"] for i, c in enumerate(solved) if i not in stubs] == [
+        c["source"] for i, c in enumerate(committed) if i not in stubs], "only the stub cells change"
+
+
+# --- what the learner reads ---------------------------------------------------------------------------
+
+def _learner_code(source: str, name: str):
+    """Define a function from source compiled as a notebook cell (so its lines are 'your cell')."""
+    import linecache
+
+    filename = "<learner cell>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"torch": torch}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[name]
+
+
+def test_a_wrong_type_is_one_readable_sentence(capsys):
+    def next_token_probs(logits, temperature, top_k, top_p):
+        return logits.tolist()
+
+    report = grade(next_token_probs)[0]
+    assert report.passed == 0
+    assert report.outcomes[1].detail == ("next_token_probs returned a list of length 2; expected a "
+                                         "torch.Tensor of shape (2, 50)")
+    check(next_token_probs)
+    printed = capsys.readouterr().out
+    assert "Traceback" not in printed and "FAIL" in printed and "hint: " in printed
+    assert max(len(line) for line in printed.splitlines()) <= 90
+
+
+def test_a_missing_return_says_so():
+    def finished(seq, eos_token_id):
+        len(seq.output) >= seq.max_tokens
+
+    detail = grade(finished)[0].outcomes[0].detail
+    assert detail == "finished returned None; expected True or False (is a return statement missing?)"
+
+
+def test_an_exception_names_the_learners_own_line():
+    source = ("def ttft(request):\n"
+              "    first = request.token_times[0]\n"
+              "    return first / 0\n")
+    report = grade(_learner_code(source, "ttft"))[0]
+    assert report.outcomes[0].detail == ("ttft raised ZeroDivisionError: float division by zero "
+                                         "(line 3 of your cell: `return first / 0`)")
+
+
+def test_an_exception_inside_torch_points_at_the_learners_line_not_torch():
+    source = ("def causal_attention(q, k, v, positions):\n"
+              "    scores = q @ k  # forgot the transpose\n"
+              "    return scores @ v\n")
+    report = grade(_learner_code(source, "causal_attention"))[0]
+    detail = report.outcomes[0].detail
+    assert detail.startswith("causal_attention raised RuntimeError: ")
+    assert detail.endswith("(line 2 of your cell: `scores = q @ k  # forgot the transpose`)")
+
+
+def test_scores_count_the_properties_that_hold():
+    def finished(seq, eos_token_id):
+        return len(seq.output) >= seq.max_tokens  # forgets EOS
+
+    report = grade(finished)[0]
+    assert (report.passed, report.total) == (5, 6)
+    assert [o.name for o in report.outcomes if not o.passed] == ["finished when its last token is EOS"]
+    assert report.outcomes[3].detail == "3 of 5 tokens, the last one EOS: finished says False"
+
+    solved = solutions("2.1")
+
+    def causal_attention(q, k, v, positions):  # forgets the 1 / sqrt(D) scale
+        return solved["causal_attention"](q * q.shape[-1] ** 0.5, k, v, positions)
+
+    reports = grade(solved["apply_rope"], causal_attention)
+    by_task = {r.task: [o.passed for o in r.outcomes] for r in reports}
+    assert by_task["apply_rope"] == [True] * 7
+    assert by_task["causal_attention"] == [True, True, False, True, False, False, False, False]
+    assert by_task["attention inside the tiny model"] == [False] * 3
+
+
+def test_score_prints_one_line_per_task_and_the_total(capsys):
+    from minillm.labs import score
+
+    fns = solutions("2.3")
+
+    def preempt(running, free_blocks, block_size):
+        return []
+
+    score(fns["finished"], fns["admit"], preempt)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "Lab 2.3 score"
+    assert [line.split()[0] for line in lines[1:]] == ["finished", "admit", "preempt", "the", "total"]
+    assert lines[3].split()[-3:] == ["1", "/", "4"]  # only "an empty list when every sequence fits"
+    assert lines[4].split()[-3:] == ["2", "/", "4"]  # the roomy pool never needs an eviction
+    assert lines[-1].split()[1:4] == ["15", "/", "20"]
+
+
+def test_misuse_of_check_is_a_message_not_an_exception(capsys):
+    check(42)
+    check(lambda x: x)
+    printed = capsys.readouterr().out
+    assert "check takes your lab functions" in printed and "got an int" in printed
+    assert "no lab has a function named '<lambda>'" in printed
+
+
+# --- the simulator and the payoffs -------------------------------------------------------------------
+
+def test_the_simulator_does_not_trust_the_rules():
+    fns = solutions("2.3")
+    specs = [Spec(30, 20) for _ in range(6)]
+    limits = {"num_blocks": 12, "block_size": 8, "max_batch_size": 4}
+
+    def admit(waiting, running, free_blocks, block_size, max_batch_size):
+        return list(waiting)  # everyone, whatever fits
+
+    greedy = simulate(specs, admit, fns["finished"], fns["preempt"], **limits)
+    assert greedy.violations == ["step 0: admit let the batch grow to 6 sequences (limit 4)"]
+
+    def never_evict(running, free_blocks, block_size):
+        return []
+
+    stuck = simulate(specs, fns["admit"], fns["finished"], never_evict, **limits)
+    assert len(stuck.violations) == 1 and "after preempt, the running sequences still need" in stuck.violations[0]
+    good = simulate(specs, fns["admit"], fns["finished"], fns["preempt"], **limits)
+    assert good.complete and good.preemptions > 0 and good.peak_blocks <= 12
+
+
+def test_payoffs_wait_for_the_checks_then_run(capsys):
+    fns = solutions("2.3")
+
+    def finished(seq, eos_token_id):
+        raise NotImplementedError
+
+    assert lab2_3.compare_policies(fns["admit"], finished, fns["preempt"]) is None
+    assert capsys.readouterr().out.startswith("Not yet: this cell runs once finished, admit, preempt pass")
+    runs = lab2_3.compare_policies(fns["admit"], fns["finished"], fns["preempt"])
+    assert all(r.complete for r in runs.values())
+    assert runs["continuous, roomy"].steps < runs["static, roomy"].steps
+    assert runs["continuous, tight"].preemptions > 0
+
+
+def test_payoffs_with_the_reference_solutions_on_the_tiny_model(capsys):
+    model, tok = build_model("tiny"), ByteTokenizer()
+    one, two, four = solutions("2.1"), solutions("2.2"), solutions("2.4")
+    lab2_1.write_text(model, tok, *one.values(), "Hello", max_new_tokens=8)
+    lab2_2.compare_generation(model, tok, *two.values(), ["Hi", "A longer prompt", "Mid"], max_new_tokens=6)
+    lab2_2.formula_table(two["kv_cache_bytes"])
+    out = capsys.readouterr().out
+    assert "the two agree on 8 of 8 tokens" in out
+    assert out.count("equal to naive generation") == 3
+    allocated = re.search(r"allocated: ([\d,]+) B; your formula: ([\d,]+) B; minillm.memory: ([\d,]+) B", out)
+    assert len(set(allocated.groups())) == 1
+    assert re.search(r"LLaMA-7B\s+2048\s+2\s+1,073,741,824\s+1\.074\s+1\.000", out)
+
+    from minillm.engine import Engine
+    from minillm.workload import random_requests
+
+    run = Engine(model, max_batch_size=4, num_blocks=32, block_size=8).run(
+        random_requests(6, (4, 12), (1, 6), seed=0))
+    metric_fns = {k: v for k, v in four.items() if k != "devices_needed"}
+    measured = lab2_4.compare_metrics(run.requests, run.wall_time, 1.0, 0.5, **metric_fns)
+    assert "your metrics agree with minillm.metrics" in capsys.readouterr().out
+    assert lab2_4.compare_plan(four["devices_needed"], 100, 0.2, measured["output tokens / s"],
+                               46080 * 1024, 8 * 10**9) == lab2_4._reference_devices(
+        100, 0.2, measured["output tokens / s"], 46080 * 1024, 8 * 10**9)
+
+
+def test_grading_a_saved_notebook_from_the_command_line(capsys, tmp_path):
+    path = LABS[0]
+    solved = tmp_path / path.name
+    APPLY.apply(path, solved)
+    assert labs_cli(["grade", str(path), str(solved)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"total\s+0 / 26  \(0%\)", out) and re.search(r"total\s+26 / 26  \(100%\)", out)
+
+
+def test_grader_notes_a_lab_cell_that_calls_minillm(tmp_path):
+    path = next(p for p in LABS if p.name.startswith("lab2_1"))
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    index = next(i for i, _ in lab_cells(path) if "def next_token_probs" in _)
+    nb["cells"][index]["source"] = (
+        "# YOUR CODE: task 4\nfrom minillm.sampling import SamplingParams, filtered_probs\n\n\n"
+        "def next_token_probs(logits, temperature, top_k, top_p):\n"
+        "    return filtered_probs(logits, SamplingParams(temperature, top_k, top_p))\n")
+    copied = tmp_path / path.name
+    copied.write_text(json.dumps(nb), encoding="utf-8")
+    reports, notes = grade_notebook(copied)
+    assert notes == [f"cell {index} mentions minillm: check that the functions are the learner's own"]
+    assert next(r for r in reports if r.task == "next_token_probs").all_passed
+
+
+def test_the_instructor_guide_gives_each_labs_points():
+    guide = (ROOT / "book" / "instructor_guide.md").read_text(encoding="utf-8")
+    for path, lab in IDS.items():
+        row = re.search(rf"^\| \[Lab {re.escape(lab)}\]\(labs/{path.stem}\.ipynb\) \| [^|]+ \| (\d+) \|$", guide,
+                        flags=re.M)
+        assert row, f"no points row for lab {lab}"
+        assert int(row.group(1)) == sum(len(t.properties) for t in lab_tasks(lab))

@@ -1,0 +1,203 @@
+"""``python -m minillm serve`` on 127.0.0.1, started by these tests with the tiny model: the OpenAI SDK talks to
+it, its greedy text equals ``generate``, concurrent streams lose and repeat no token, bad input gets an
+OpenAI error and the server keeps serving, a client that leaves frees its KV blocks."""
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import openai
+import pytest
+
+from minillm import ByteTokenizer, generate
+from minillm.serving import launch_server
+from minillm.serving.app import chat_prompt_ids
+
+NUM_BLOCKS, BLOCK_SIZE = 24, 16  # a pool of 384 tokens (the context is 2048): some requests can never fit
+MAX_TOTAL = NUM_BLOCKS * BLOCK_SIZE + 1  # the last token needs no slot
+EOS = ByteTokenizer.eos_token_id
+TIMEOUT = 30  # s, any one HTTP call
+
+
+@pytest.fixture(scope="module")
+def server():
+    with launch_server(["--model", "tiny", "--threads", "1", "--num-blocks", str(NUM_BLOCKS), "--block-size",
+                        str(BLOCK_SIZE), "--max-batch-size", "8", "--no-access-log"], startup_timeout=60) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+def wait_until_idle(server, deadline_s: float = TIMEOUT) -> dict:
+    """/health once nothing runs or waits and every KV block is free (a client's exit is noticed
+    asynchronously); the last reading if that takes longer than the deadline."""
+    end = time.monotonic() + deadline_s
+    while True:
+        health = server.health()
+        if (health["running"], health["waiting"], health["kv_blocks_used"]) == (0, 0, 0) or time.monotonic() > end:
+            return health
+        time.sleep(0.02)
+
+
+def records(server) -> dict:
+    return {r["id"]: r for r in httpx.get(f"{server.base}/minillm/requests", timeout=TIMEOUT).json()["requests"]}
+
+
+def test_models_and_health(server, sdk):
+    assert [m.id for m in sdk.models.list()] == ["tiny"]
+    assert sdk.models.retrieve("tiny").id == "tiny"
+    health = server.health()
+    assert health["status"] == "ok" and health["kv_blocks_total"] == NUM_BLOCKS
+
+
+def test_the_openai_sdk_streams_a_chat_completion_equal_to_generate(sdk, tiny_model, tokenizer):
+    messages = [{"role": "user", "content": "Hello"}]
+    prompt = chat_prompt_ids(tokenizer, messages)
+    expected = generate(tiny_model, prompt, 12, eos_token_id=EOS)
+    chunks = list(sdk.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == tokenizer.decode(expected)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[-1] == ("stop" if expected[-1] == EOS else "length") and set(finish[:-1]) == {None}
+    assert chunks[-1].choices == []  # the usage chunk
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(prompt), len(expected))
+    whole = sdk.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == streamed and whole.usage.completion_tokens == len(expected)
+
+
+@pytest.mark.parametrize("text", ["Once upon a time", "请介绍一下Transformer"])
+def test_the_openai_sdk_streams_a_completion_equal_to_generate(sdk, tiny_model, tokenizer, text):
+    expected = generate(tiny_model, tokenizer.encode(text), 20, eos_token_id=EOS)
+    chunks = list(sdk.completions.create(model="tiny", prompt=text, max_tokens=20, temperature=0, stream=True,
+                                         extra_body={"return_token_ids": True}))
+    assert [c.choices[0].token_ids for c in chunks] == [[t] for t in expected]  # one chunk per token
+    assert "".join(c.choices[0].text for c in chunks) == tokenizer.decode(expected)
+    whole = sdk.completions.create(model="tiny", prompt=text, max_tokens=20, temperature=0)
+    assert whole.choices[0].text == tokenizer.decode(expected)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(tokenizer.encode(text)), len(expected))
+
+
+async def stream_tokens(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed greedy request with token ids: what arrived, chunk by chunk."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = []
+    async with client.stream("POST", f"{url}/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    tokens = [c["choices"][0]["token_ids"] for c in chunks if c["choices"]]
+    return {"id": chunks[0]["id"], "tokens": tokens, "usage": chunks[-1]["usage"],
+            "finish": chunks[-2]["choices"][0]["finish_reason"]}
+
+
+def test_32_concurrent_streams_lose_and_repeat_no_token_and_free_every_block(server, tiny_model):
+    rng = random.Random(0)
+    work = [([rng.randrange(258) for _ in range(rng.randint(8, 24))], rng.randint(8, 24)) for _ in range(32)]
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=TIMEOUT, limits=httpx.Limits(max_connections=None)) as client:
+            return await asyncio.gather(*(stream_tokens(client, server.url, p, n) for p, n in work))
+
+    steps = server.health()["steps"]
+    results = asyncio.run(all_at_once())
+    kept = records(server)
+    for (prompt, n), got in zip(work, results):
+        assert all(len(t) == 1 for t in got["tokens"])
+        assert [t for (t,) in got["tokens"]] == generate(tiny_model, prompt, n)
+        assert got["usage"]["completion_tokens"] == n and got["finish"] == "length"
+        assert kept[got["id"]]["status"] == "finished" and kept[got["id"]]["completion_tokens"] == n
+    assert len({got["id"] for got in results}) == 32
+    assert server.health()["steps"] - steps < sum(n for _, n in work)  # some steps served several requests
+    assert wait_until_idle(server, 0)["kv_blocks_used"] == 0  # freed before the last token was sent
+
+
+BAD_REQUESTS = [  # (path, body: dict, or bytes sent as they are), status, param, words in the message
+    ("/v1/completions", b'{"model": "tiny", "prompt": "Hi"', 400, None, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, 404, "model", "'gpt-4' does not exist"),
+    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt", "empty"),
+    ("/v1/completions", {"model": "tiny", "prompt": []}, 400, "prompt", "empty"),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt", "Field required"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 300]}, 400, "prompt", "token id 300 is outside"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 3000}, 400, "max_tokens",
+     "exceeds max_seq_len=2048"),
+    ("/v1/completions", {"model": "tiny", "prompt": [7] * 100, "max_tokens": 300}, 400, "max_tokens",
+     f"more than the whole pool of {NUM_BLOCKS}"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", "greater than"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "temperature": -0.5}, 400, "temperature", "-0.5"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "temperature": 2.5}, 400, "temperature", "2.5"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "top_p": 0}, 400, "top_p", "greater than 0"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "top_k": -2}, 400, "top_k", "-2"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "stream": "yes"}, 400, "stream", "boolean"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "n": 2}, 400, "n", "not supported"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "stop": ["\n"]}, 400, "stop", "not supported"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "stream_options": {"include_usage": True}}, 400, None,
+     "only allowed when stream is true"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages", "at least 1"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "Hi"}]}, 400,
+     "messages", "role"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x" * 400}]}, 400,
+     "messages", "no room for a reply"),
+    ("/v1/nothing", {}, 404, None, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, words", BAD_REQUESTS,
+                         ids=[f"{i}:{w}" for i, (*_, w) in enumerate(BAD_REQUESTS)])
+def test_bad_input_gets_an_openai_error_and_the_next_request_succeeds(server, path, body, status, param, words):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{server.base}{path}", content=content, timeout=TIMEOUT,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and words in error["message"]
+    good = httpx.post(f"{server.url}/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 3},
+                      timeout=TIMEOUT)
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 3
+
+
+def test_the_sdk_raises_the_servers_errors(sdk):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        sdk.completions.create(model="nope", prompt="Hi")
+    with pytest.raises(openai.BadRequestError, match="exceeds max_seq_len"):
+        sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5000)
+
+
+LONG = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": MAX_TOTAL - 3, "temperature": 0, "ignore_eos": True}
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(server):
+    with httpx.Client(timeout=TIMEOUT) as client:
+        with client.stream("POST", f"{server.url}/completions", json=LONG | {"stream": True}) as response:
+            lines = response.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+            assert server.health()["kv_blocks_used"] > 0
+        # leaving the block closes the connection, after one token of hundreds
+    health = wait_until_idle(server)
+    assert (health["running"], health["kv_blocks_used"]) == (0, 0)
+    record = records(server)[first["id"]]
+    assert record["status"] == "aborted" and record["completion_tokens"] < LONG["max_tokens"]
+
+
+def test_a_client_that_leaves_a_whole_response_frees_its_blocks(server):
+    aborted = server.health()["aborted"]
+
+    async def leave_once_running():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            request = asyncio.ensure_future(client.post(f"{server.url}/completions", json=LONG))
+            while server.health()["running"] == 0:
+                await asyncio.sleep(0.01)
+            request.cancel()  # closes the connection
+
+    asyncio.run(leave_once_running())
+    health = wait_until_idle(server)
+    assert (health["running"], health["kv_blocks_used"], health["aborted"]) == (0, 0, aborted + 1)

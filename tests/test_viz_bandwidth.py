@@ -1,0 +1,43 @@
+"""The bandwidth figures draw what they are given: points, the bound line, bars, and refuse bad input."""
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from minillm.viz.bandwidth import plot_bandwidth_law, plot_kernel_bandwidth  # noqa: E402
+
+
+def test_bandwidth_law_draws_each_point_and_the_bound_through_bandwidth_over_bytes():
+    fig, ax = plt.subplots()
+    plot_bandwidth_law(ax, {"a": (500e6, 20.0), "b": (125e6, 60.0)}, bandwidth=20e9)
+    bound, *points = ax.get_lines()
+    mb, speed = bound.get_data()
+    np.testing.assert_allclose(speed, 20e9 / (np.asarray(mb) * 1e6))  # tokens/s = bandwidth / bytes
+    assert [(p.get_xdata()[0], p.get_ydata()[0]) for p in points] == [(500.0, 20.0), (125.0, 60.0)]
+    assert ax.get_xscale() == ax.get_yscale() == "log" and "MB" in ax.get_xlabel()
+    plt.close(fig)
+
+
+def test_kernel_bars_are_bytes_over_seconds_in_gb_per_s():
+    fig, ax = plt.subplots()
+    plot_kernel_bandwidth(ax, {"fast": (2e9, 0.1), "slow": (2e9, 1.0)}, bandwidth=25e9)
+    widths = {bar.get_width() for bar in ax.patches}
+    assert widths == {20.0, 2.0}
+    assert ax.get_lines()[0].get_xdata()[0] == 25.0
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda ax: plot_bandwidth_law(ax, {}, 1e9), "points is empty"),
+    (lambda ax: plot_bandwidth_law(ax, {"a": (0, 1.0)}, 1e9), "a bytes per step=0"),
+    (lambda ax: plot_bandwidth_law(ax, {"a": (1e6, 1.0)}, -1), "bandwidth=-1"),
+    (lambda ax: plot_kernel_bandwidth(ax, {"k": (1e6, float("nan"))}, 1e9), "k seconds=nan"),
+    (lambda ax: plot_kernel_bandwidth(ax, {}, 1e9), "kernels is empty"),
+])
+def test_bad_input_is_refused(call, match):
+    fig, ax = plt.subplots()
+    with pytest.raises(ValueError, match=match):
+        call(ax)
+    plt.close(fig)

@@ -25,6 +25,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+try:
+    import httpx
+except ImportError:  # the serve extra is missing: main() says what to install
+    httpx = None
+
 from .engine.request import Request
 from .metrics import SLO, RequestTiming, ServingMetrics, Summary, e2e_latency, serving_metrics, summarize, ttft
 from .sampling import SamplingParams
@@ -99,8 +104,6 @@ def payload(model: str, request: Request) -> dict:
 
 async def send(client, url: str, model: str, request: Request, t0: float, clock) -> ClientRecord:
     """Send one streaming request; stamp each chunk as its line arrives, before parsing it."""
-    import httpx
-
     arrival, times, text = clock() - t0, [], []
     response_id = usage_tokens = finish = error = None
     prompt_len = len(request.prompt_ids)
@@ -136,8 +139,6 @@ async def send(client, url: str, model: str, request: Request, t0: float, clock)
 
 async def _run(url: str, model: str, requests: list[Request], concurrency: int | None, timeout: float, clock,
                transport) -> tuple[list[ClientRecord], float]:
-    import httpx
-
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
         t0 = clock()
@@ -184,8 +185,6 @@ def run_benchmark(url: str, model: str, requests: list[Request], *, concurrency:
 
 def list_models(url: str, timeout: float = 10.0) -> list[str]:
     """The model names a server offers (``GET /v1/models``)."""
-    import httpx
-
     response = httpx.get(f"{url.rstrip('/')}/models", timeout=timeout)
     response.raise_for_status()
     return [m["id"] for m in response.json()["data"]]
@@ -194,9 +193,7 @@ def list_models(url: str, timeout: float = 10.0) -> list[str]:
 # ---- minillm servers: the engine's own timestamps of the same requests ---------------------------------
 def fetch_engine_records(url: str, timeout: float = 10.0) -> dict[str, RequestTiming]:
     """A minillm server's records of its latest finished requests (``GET /minillm/requests``), by response
-    id; times on the engine's clock, which only differences of may be compared with the client's."""
-    import httpx
-
+    id. Times are on the engine's clock: only differences of them compare with the client's."""
     base = url.rstrip("/").removesuffix("/v1")
     response = httpx.get(f"{base}/minillm/requests", timeout=timeout)
     response.raise_for_status()
@@ -220,13 +217,13 @@ class EngineComparison:
 
     def table(self) -> str:
         lines = [f"{len(self.pairs)} requests seen by both; latencies in ms",
-                 f"{'':<10}{'engine':>10}{'client':>10}{'added':>10}   (added: per request, client - engine)"]
+                 f"{'':<12}{'engine':>10}{'client':>10}{'added':>10}   (added: per request, client - engine)"]
         for name, added in (("ttft", self.added_ttft), ("e2e", self.added_e2e)):
             for stat in ("median", "p99"):
                 e, c = getattr(self.engine, name), getattr(self.client, name)
-                lines.append(f"{name.upper() + ' ' + stat:<10}{e.ms(stat):>10}{c.ms(stat):>10}{added.ms(stat):>10}")
+                lines.append(f"{name.upper() + ' ' + stat:<12}{e.ms(stat):>10}{c.ms(stat):>10}{added.ms(stat):>10}")
         for stat in ("median", "p99"):
-            lines.append(f"{'ITL ' + stat:<10}{self.engine.itl.ms(stat):>10}{self.client.itl.ms(stat):>10}")
+            lines.append(f"{'ITL ' + stat:<12}{self.engine.itl.ms(stat):>10}{self.client.itl.ms(stat):>10}")
         return "\n".join(lines)
 
 
@@ -310,10 +307,9 @@ def workload(args: argparse.Namespace) -> tuple[list[Request], int | None]:
 
 def main(argv: list[str] | None = None) -> int:
     parser, args = parse_args(argv)
-    try:
-        import httpx
-    except ImportError as error:
-        print(f"python -m minillm bench: error: {error}; pip install 'minillm[serve]'", file=sys.stderr)
+    if httpx is None:
+        print("python -m minillm bench: error: httpx is not installed; pip install 'minillm[serve]'",
+              file=sys.stderr)
         return 3
     try:
         slo = parse_slo(args.goodput)

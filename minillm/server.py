@@ -54,7 +54,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--exit-with-parent", action="store_true",
                         help="exit when standard input closes (minillm.serving.launch_server uses it, so that "
                              "a server never outlives the notebook or test that started it)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    limits = (("--port", args.port, 0, 65535), ("--threads", args.threads, 1, None),
+              ("--max-batch-size", args.max_batch_size, 1, None), ("--num-blocks", args.num_blocks, 1, None),
+              ("--block-size", args.block_size, 1, None))
+    for name, value, low, high in limits:
+        if value is not None and (value < low or (high is not None and value > high)):
+            parser.error(f"{name} {value} must be >= {low}" + (f" and <= {high}" if high is not None else ""))
+    return args
 
 
 def load(args: argparse.Namespace):

@@ -87,7 +87,8 @@ def test_chunk_arrival_times_give_vllms_metrics():
     assert m.n_good == 2  # TTFT 0.1 s misses 80 ms; 50 ms and 10 ms meet it
     assert m.ttft.values == pytest.approx((0.1, 0.05, 0.01))
     saved = json.loads(json.dumps(result.to_json()))
-    assert saved["metrics"]["ttft_ms"]["p50"] == pytest.approx(50) and saved["metrics"]["goodput"] == pytest.approx(2 / 0.25)
+    assert saved["metrics"]["ttft_ms"]["p50"] == pytest.approx(50)
+    assert saved["metrics"]["goodput"] == pytest.approx(2 / 0.25)
     assert saved["requests"][2]["error"].startswith("ValueError: HTTP 400")
 
 

@@ -22,8 +22,9 @@ TIMEOUT = 30  # s, any one HTTP call
 
 @pytest.fixture(scope="module")
 def server():
-    with launch_server(["--model", "tiny", "--threads", "1", "--num-blocks", str(NUM_BLOCKS), "--block-size",
-                        str(BLOCK_SIZE), "--max-batch-size", "8", "--no-access-log"], startup_timeout=60) as s:
+    args = ["--model", "tiny", "--device", "cpu", "--threads", "1", "--max-batch-size", "8",
+            "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--no-access-log"]
+    with launch_server(args, startup_timeout=60) as s:
         yield s
 
 
@@ -136,6 +137,7 @@ BAD_REQUESTS = [  # (path, body: dict, or bytes sent as they are), status, param
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "temperature": -0.5}, 400, "temperature", "-0.5"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "temperature": 2.5}, 400, "temperature", "2.5"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "top_p": 0}, 400, "top_p", "greater than 0"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "top_p": "0.5"}, 400, "top_p", "valid number"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "top_k": -2}, 400, "top_k", "-2"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "stream": "yes"}, 400, "stream", "boolean"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "n": 2}, 400, "n", "not supported"),
@@ -201,3 +203,15 @@ def test_a_client_that_leaves_a_whole_response_frees_its_blocks(server):
     asyncio.run(leave_once_running())
     health = wait_until_idle(server)
     assert (health["running"], health["kv_blocks_used"], health["aborted"]) == (0, 0, aborted + 1)
+
+
+def test_bad_server_arguments_exit_with_status_2(capsys):
+    from minillm.server import main
+
+    for argv, words in ((["--threads", "0"], "--threads 0 must be >= 1"),
+                        (["--port", "70000"], "--port 70000 must be >= 0 and <= 65535")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and words in capsys.readouterr().err
+    assert main(["--model", "tiny", "--max-num-batched-tokens", "2"]) == 2
+    assert "must be >= max_batch_size=8" in capsys.readouterr().err

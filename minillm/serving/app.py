@@ -72,7 +72,8 @@ class Frontend:
                           ignore_eos=body.ignore_eos, seed=body.seed)
         reason = self.loop.engine.rejection(request)  # reads only constants (config, pool size): thread-safe
         if reason is not None:
-            param = ("messages" if shape.chat else "prompt") if reason.startswith(("empty", "token id")) else "max_tokens"
+            in_prompt = reason.startswith(("empty", "token id"))
+            param = ("messages" if shape.chat else "prompt") if in_prompt else "max_tokens"
             raise ApiError(400, f"this request can never be served: {reason}", param=param)
         return request
 
@@ -131,14 +132,14 @@ class Frontend:
 
         collecting, watching = asyncio.ensure_future(collect()), asyncio.ensure_future(client_left())
         try:
-            await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watching.cancel()
             if not collecting.done():
                 collecting.cancel()
                 stream.close()
-        if collecting.cancelled():
-            return JSONResponse({}, status_code=499)  # nobody is listening
+        if collecting not in done:
+            return JSONResponse({}, status_code=499)  # the client left: nobody is listening
         outputs = collecting.result()  # re-raises an engine failure
         ids = [t for out in outputs for t in out.new_token_ids]
         choice = shape.choice(self.tokenizer.decode(ids), FINISH_REASONS.get(outputs[-1].finish_reason), False)

@@ -7,6 +7,7 @@ to a file, and exits when its parent closes the pipe on its standard input, even
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -14,6 +15,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+
+
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
 
 
 def free_port() -> int:
@@ -37,29 +41,33 @@ class ServerProcess:
         deadline = time.monotonic() + startup_timeout
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with status {self.process.returncode}:\n{self.log_text()}")
+                log = self.log_text()
+                self.stop()
+                raise RuntimeError(f"the server exited with status {self.process.returncode}:\n{log}")
             try:
                 self.health()
                 return
             except (urllib.error.URLError, ConnectionError):
                 if time.monotonic() > deadline:
+                    log = self.log_text()
                     self.stop()
-                    raise TimeoutError(f"the server did not answer within {startup_timeout} s:\n"
-                                       f"{self.log_text()}") from None
+                    raise TimeoutError(f"the server did not answer within {startup_timeout} s:\n{log}") from None
                 time.sleep(0.1)
 
     def health(self) -> dict:
         """``GET /health``: the engine's load (running, waiting, KV blocks used ...)."""
-        with urllib.request.urlopen(f"{self.base}/health", timeout=5) as response:
+        with NO_PROXY.open(f"{self.base}/health", timeout=5) as response:
             return json.load(response)
 
     def log_text(self) -> str:
+        """What the server has written to stdout and stderr so far."""
         self.log.flush()
         with open(self.log.name, encoding="utf-8", errors="replace") as f:
             return f.read()
 
     def stop(self, timeout: float = 10.0) -> int:
-        """Shut the server down (closing its stdin, then SIGTERM, then SIGKILL); its exit status."""
+        """Shut the server down (closing its stdin, then SIGTERM, then SIGKILL), delete its log; its exit
+        status."""
         if self.process.poll() is None:
             self.process.stdin.close()
             try:
@@ -71,6 +79,9 @@ class ServerProcess:
                 except subprocess.TimeoutExpired:
                     self.process.kill()
                     self.process.wait()
+        if not self.log.closed:
+            self.log.close()
+            os.unlink(self.log.name)
         return self.process.returncode
 
     def __enter__(self) -> ServerProcess:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError,
+                      field_validator, model_validator)
 
 from ..sampling import SamplingParams
 
@@ -44,8 +45,8 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's default and range; 0 is greedy
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: StrictFloat = Field(1.0, ge=0, le=2)  # OpenAI's default and range; 0 is greedy
+    top_p: StrictFloat = Field(1.0, gt=0, le=1)
     top_k: StrictInt = Field(0, ge=-1)  # vLLM extension: 0 or -1 disables it
     seed: StrictInt | None = None
     stream: StrictBool = False

@@ -91,6 +91,7 @@ def use_book_style() -> None:
         "font.size": 11, "axes.titlesize": 11.5, "axes.labelsize": 11, "xtick.labelsize": 10,
         "ytick.labelsize": 10, "legend.fontsize": 10, "legend.title_fontsize": 10, "lines.linewidth": 1.8,
         "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False,
+        "axes.formatter.min_exponent": 4,  # log axes read 1, 10, 300, not 10^0, 3x10^2
     })
     set_matplotlib_formats("retina")
 

@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from typing import Callable, NamedTuple
 
 import torch
 import transformers
 
-from minillm import load_pretrained, now, stream_generate
+from minillm import load_pretrained
 from minillm.device import DEVICE_NAMES
 from minillm.hf import to_transformers
 from minillm.memory import decode_bytes, kv_cache_bytes, streamed_weight_bytes
 from minillm.roofline import measure_bandwidth, time_decode_step
+from timed_runs import Run, check_identical, interleaved, run_minillm, run_transformers, tokens_per_s
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "Once upon a time, in a small village,"
@@ -55,57 +54,6 @@ def parse_args() -> argparse.Namespace:
     if args.repeats < 1:
         parser.error(f"--repeats={args.repeats} must be >= 1")
     return args
-
-
-class Run(NamedTuple):
-    """One timed generation."""
-
-    tokens: list[int]
-    wall: float  # seconds, prefill + decode (minillm.timing.now: device synchronized)
-    cpu: float  # this process's CPU seconds over the same span (time.process_time)
-    tpot: float | None  # mean seconds of a decode step (minillm only)
-
-
-def run_minillm(model, prompt: list[int], n: int, use_cache: bool) -> Run:
-    """One greedy minillm run with EOS disabled, timed token by token."""
-    cpu, start = time.process_time(), now(model.device)
-    events = list(stream_generate(model, prompt, n, use_cache=use_cache, eos_token_id=None))
-    cpu = time.process_time() - cpu
-    tpot = (events[-1].time - events[0].time) / (n - 1)
-    return Run([e.token_id for e in events], events[-1].time - start, cpu, tpot)
-
-
-def run_transformers(hf_model, prompt: list[int], n: int) -> Run:
-    """``generate``, greedy, for n tokens (the model's config has no EOS)."""
-    ids = torch.tensor([prompt], device=hf_model.device)  # (1, T)
-    cpu, start = time.process_time(), now(hf_model.device)
-    with torch.inference_mode():
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    wall, cpu = now(hf_model.device) - start, time.process_time() - cpu
-    return Run(out[0, ids.shape[1]:].tolist(), wall, cpu, None)
-
-
-def interleaved(repeats: dict[str, int], runs: dict[str, Callable[[], Run]]) -> dict[str, list[Run]]:
-    """Contenders alternate, so a busy machine slows them alike; ``repeats`` timed runs each."""
-    results: dict[str, list[Run]] = {name: [] for name in runs}
-    for i in range(max(repeats.values())):
-        for name, fn in runs.items():
-            if i < repeats[name]:
-                results[name].append(fn())
-    return results
-
-
-def tokens_per_s(n: int, runs: list[Run], clock: str = "wall") -> float:
-    """n / the median seconds of ``clock`` ("wall" or "cpu")."""
-    return n / statistics.median(getattr(r, clock) for r in runs)
-
-
-def check_identical(results: dict[str, list[Run]], what: str) -> bool:
-    """Every run of every contender produced the same tokens; exits with FAIL otherwise."""
-    outputs = {tuple(r.tokens) for runs in results.values() for r in runs}
-    if len(outputs) != 1:
-        sys.exit(f"FAIL: {' and '.join(results)} tokens differ ({what})")
-    return True
 
 
 def verdict(holds: bool) -> str:
@@ -177,9 +125,9 @@ def bandwidth_utilisation(model, prompt_len: int, runs: list[Run], bandwidth: fl
     n, dtype = HF_TOKENS, model.dtype
     context = prompt_len + n // 2  # mean context of the decode steps
     weights, kv = streamed_weight_bytes(model.config, dtype), kv_cache_bytes(model.config, context, 1, dtype)
-    step = statistics.median(r.tpot for r in runs)
+    step = statistics.median(statistics.mean(r.steps) for r in runs)
     achieved = (weights + kv) / step
-    print(f"\nd. Memory-bandwidth utilisation of batch-1 decode (gpt-fast's MBU), from part a's minillm runs")
+    print("\nd. Memory-bandwidth utilisation of batch-1 decode (gpt-fast's MBU), from part a's minillm runs")
     print(f"bytes read per step: {weights / 1e6:.1f} MB of weights + {kv / 1e6:.1f} MB of KV cache (mean context "
           f"{context} tokens) = {(weights + kv) / 1e6:.1f} MB")
     print(f"decode step (TPOT, median of {len(runs)} runs): {step * 1e3:.2f} ms = {1 / step:.1f} steps/s "

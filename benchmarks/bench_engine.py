@@ -29,9 +29,11 @@ import time
 import torch
 
 from minillm import build_model, load_pretrained, now
-from minillm.engine import Engine, MixedBatchCache, PagedBatchCache, PagedKVPool, Request
+from minillm.engine import Engine, Request
+from minillm.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from minillm.metrics import serving_metrics
 from minillm.notebook import pick_device
+from minillm.roofline import mixed_step_calls
 
 STALL = dict(n=64, users=16, every=8, short_prompt=(16, 64), short_output=(32, 96), long_prompt=(1024, 1536),
              long_output=(8, 16), budget=256, chunk=128)
@@ -97,7 +99,7 @@ def stall(model, repeats: int) -> bool:
           f"{c['short_output'][1]}), every {c['every']}th a long prompt ({c['long_prompt'][0]}-{c['long_prompt'][1]} "
           f"tokens, output {c['long_output'][0]}-{c['long_output'][1]}) ==")
     settings = {"separate (old: whole prompt, own call)": dict(enable_chunked_prefill=False),
-                "mixed, budget 2048 (no chunking)": dict(),
+                f"mixed, budget {DEFAULT_MAX_NUM_BATCHED_TOKENS}": dict(),
                 f"mixed, budget {c['budget']}, chunk <= {c['chunk']}": dict(max_num_batched_tokens=c["budget"],
                                                                           max_prefill_chunk=c["chunk"])}
     m, identical = compare(model, stall_requests(seed=0), c["users"], settings, repeats)
@@ -115,7 +117,8 @@ def shared_prefix(model, repeats: int) -> bool:
     c = SHARED
     print(f"\n== 2. Shared system prompt: {c['n']} requests, closed loop of {c['users']} users, batch limit "
           f"{c['users']}; a {c['system']}-token system prompt + a user part of {c['user'][0]}-{c['user'][1]} tokens, "
-          f"output {c['output'][0]}-{c['output'][1]}; mixed steps (budget 2048), blocks of 16 tokens ==")
+          f"output {c['output'][0]}-{c['output'][1]}; mixed steps (budget {DEFAULT_MAX_NUM_BATCHED_TOKENS}), blocks of "
+          "16 tokens ==")
     settings = {"no prefix caching": dict(), "prefix caching": dict(enable_prefix_caching=True)}
     m, identical = compare(model, shared_requests(seed=1), c["users"], settings, repeats)
     off, on = m["no prefix caching"], m["prefix caching"]
@@ -126,47 +129,22 @@ def shared_prefix(model, repeats: int) -> bool:
     return identical
 
 
-@torch.inference_mode()
 def mixed_step(device, dtype, repeats: int) -> bool:
     """Time a decode batch, a prefill chunk, and both in one call, on SmolLM2; return whether the fused
     call's logits match the separate calls'."""
     model, _ = load_pretrained("smollm2-135m-instruct", device, dtype)
-    c, config, bs = MIXED, model.config, 16
+    c, config = MIXED, model.config
     B, L = c["decode_rows"], c["context"]
     print(f"\n== 3. The mixed step: SmolLM2-135M-Instruct ({config.n_layers} layers, d_model {config.d_model}), "
           f"a decode batch of {B} rows at context {L}, prefill chunks of {', '.join(map(str, c['chunks']))} tokens "
           f"at position 0; median of {2 * repeats + 1} timed calls each, alternating ==")
-    per_row = -(-(L + 1) // bs)
-    pool = PagedKVPool(config, B * per_row + -(-max(c["chunks"]) // bs), bs, device, model.dtype)
-    tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(B)]
-    chunk_table = list(range(B * per_row, pool.num_blocks))
-    gen = torch.Generator().manual_seed(0)
-    for table in tables:  # fill each decode row's context with real keys and values
-        ids = torch.randint(0, config.vocab_size, (1, L), generator=gen).to(device)
-        model(ids, torch.arange(L, device=device)[None], PagedBatchCache(pool, [table], [0]))
-    dec_ids = torch.randint(0, config.vocab_size, (B, 1), generator=gen).to(device)  # (B, 1)
-    dec_pos = torch.full((B, 1), L, device=device)  # (B, 1)
+    calls = mixed_step_calls(model, B, L, c["chunks"])  # blocks of 16 tokens, earlier positions zeros
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
     ok = True
     print(f"{'chunk':>6}{'decode ms':>11}{'prefill ms':>12}{'sum ms':>9}{'mixed ms':>10}{'sum/mixed':>11}"
           f"{'by CPU s':>11}{'decode rows add':>17}{'share':>11}{'by CPU s':>10}")
     for C in c["chunks"]:
-        ids = torch.randint(0, config.vocab_size, (1, C), generator=gen).to(device)  # (1, C)
-        pos = torch.arange(C, device=device)[None]  # (1, C)
-
-        def decode():
-            return model(dec_ids, dec_pos, PagedBatchCache(pool, tables, [L] * B))[:, -1]
-
-        def prefill():
-            return model(ids, pos, PagedBatchCache(pool, [chunk_table], [0]))[0, -1:]
-
-        def mixed():
-            cache = MixedBatchCache([(B, 1, PagedBatchCache(pool, tables, [L] * B)),
-                                     (1, C, PagedBatchCache(pool, [chunk_table], [0]))], config.n_groups)
-            row = torch.cat([dec_ids.flatten(), ids.flatten()])[None]  # (1, B + C): decode rows, then the chunk
-            out = model(row, torch.cat([dec_pos.flatten(), pos.flatten()])[None], cache)  # (1, B + C, vocab)
-            return out[0, list(range(B)) + [B + C - 1]]
-
-        fns = {"decode": decode, "prefill": prefill, "mixed": mixed}
+        fns = {"decode": calls["decode"], "prefill": calls[f"chunk {C}"], "mixed": calls[f"fused {C}"]}
         wall, cpu = {name: [] for name in fns}, {name: [] for name in fns}
         for fn in fns.values():  # warm-up
             fn()
@@ -178,14 +156,14 @@ def mixed_step(device, dtype, repeats: int) -> bool:
                 cpu[name].append(time.process_time() - c0)
         d, p, m = (statistics.median(wall[k]) for k in fns)
         cd, cp, cm = (statistics.median(cpu[k]) for k in fns)
-        separate = torch.cat([decode(), prefill()]).float()
-        ok &= bool(torch.allclose(mixed().float(), separate, rtol=1e-3, atol=1e-3 if dtype == torch.float32 else 5e-2))
+        separate = torch.cat([fns["decode"](), fns["prefill"]()]).float()  # (B + C, vocab)
+        ok &= bool(torch.allclose(fns["mixed"]().float(), separate, rtol=tol, atol=tol))
         print(f"{C:>6}{d * 1e3:>11.1f}{p * 1e3:>12.1f}{(d + p) * 1e3:>9.1f}{m * 1e3:>10.1f}{(d + p) / m:>10.2f}x"
               f"{(cd + cp) / cm:>10.2f}x{(m - p) * 1e3:>14.1f} ms{(m - p) / d:>11.0%}{(cm - cp) / cd:>10.0%}")
     print("sum/mixed: the separate calls' time over the fused call's (by wall time, and by this process's CPU "
           "time);\n'decode rows add': fused - prefill alone, what the decode tokens cost when they ride on the "
           "chunk's\nweight reads; 'share': that over the decode call alone (by wall time, and by CPU time)")
-    print(f"fused logits match the separate calls': {ok}")
+    print(f"fused logits match the separate calls' (every row, within {tol:g}): {ok}")
     return ok
 
 

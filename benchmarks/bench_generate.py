@@ -17,10 +17,9 @@ import torch
 import transformers
 
 from minillm import build_model, get_config
-from minillm.hf import to_transformers
-from minillm.memory import streamed_weight_bytes
+from minillm.memory import bandwidth_bound_steps_per_s, streamed_weight_bytes
 from minillm.roofline import measure_bandwidth
-from timed_runs import check_identical, interleaved, run_minillm, run_transformers, tokens_per_s
+from timed_runs import check_identical, compare_with_transformers, interleaved, run_minillm, tokens_per_s
 
 PROMPT_LEN = 16
 FULL = dict(lengths=(64, 128, 256, 512, 1024), bucket=128, hf_tokens=256)
@@ -74,25 +73,10 @@ def naive_vs_cached(model, prompt, lengths, bucket, repeats) -> None:
 
 
 def minillm_vs_transformers(model, prompt, n, repeats) -> None:
-    hf_model = to_transformers(model, attn_implementation="sdpa", bos_token_id=None, eos_token_id=None,
-                               pad_token_id=0)
     print(f"\n2. minillm cached decode vs transformers {transformers.__version__} LlamaForCausalLM.generate "
           f"(same config and weights, attention sdpa in both, batch 1, greedy, {n} new tokens, "
           f"{repeats} timed runs each)")
-    runs = {"minillm": lambda: run_minillm(model, prompt, n, True),
-            "transformers": lambda: run_transformers(hf_model, prompt, n)}
-    interleaved(1, runs)  # warm-up
-    results = interleaved(repeats, runs)
-    same = check_identical(results, f"{n} new tokens")
-    print(f"{'':>12} | {'tok/s':>8} | {'ms/token':>8} | {'tok/CPU-s':>9}")
-    for name, rs in results.items():
-        wall = tokens_per_s(n, rs, "wall")
-        print(f"{name:>12} | {wall:>8.1f} | {1e3 / wall:>8.2f} | {tokens_per_s(n, rs, 'cpu'):>9.1f}")
-    ratio, cpu_ratio = (tokens_per_s(n, results["minillm"], c) / tokens_per_s(n, results["transformers"], c)
-                        for c in ("wall", "cpu"))
-    verdict = "met" if ratio >= TARGET_MINILLM_OVER_HF else "NOT met"
-    print(f"minillm/transformers tokens/s: {ratio:.2f}x (target >= {TARGET_MINILLM_OVER_HF}x: {verdict}); "
-          f"by CPU time: {cpu_ratio:.2f}x; identical tokens: {same}")
+    results = compare_with_transformers(model, prompt, n, repeats, TARGET_MINILLM_OVER_HF)
     bandwidth_floor(model, {name: 1 / tokens_per_s(n, rs, "wall") for name, rs in results.items()})
 
 
@@ -100,7 +84,7 @@ def bandwidth_floor(model, seconds_per_token: dict[str, float]) -> None:
     """What no implementation can beat: every decode step streams all weights from memory once."""
     weights = streamed_weight_bytes(model.config, model.dtype)
     bandwidth = measure_bandwidth(device=model.device)  # bytes/s of a large copy, read + write
-    floor = weights / bandwidth
+    floor = 1 / bandwidth_bound_steps_per_s(weights, bandwidth)  # seconds a step
     print(f"bandwidth floor: {weights / 1e6:.1f} MB of weights a step / {bandwidth / 1e9:.1f} GB/s measured copy "
           f"bandwidth = {floor * 1e3:.2f} ms/token; time above it (per-step overhead):")
     above = {name: s - floor for name, s in seconds_per_token.items()}

@@ -18,25 +18,24 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import transformers
 
 import minillm
-from minillm import build_model, generate, get_config, now
+from minillm import build_model, generate, get_config
 from minillm.compiled import StaticDecoder
 from minillm.hf import to_transformers
 from minillm.memory import bandwidth_utilisation, kv_cache_bytes
 from minillm.pretrained import gguf_checkpoint
 from minillm.quant import (EVAL_TEXT, dequantize_int8, greedy_match, make_variant, mean_nll, quantize_int8,
                            streamed_bytes)
-from minillm.roofline import measure_bandwidth
+from minillm.roofline import measure_bandwidth, median_time
+from timed_runs import Run, check_identical, interleaved, run_transformers, timed, tokens_per_s
 
 VARIANTS = ("float32", "bfloat16-linear", "bfloat16", "int8", "int8-dequant")
 PROMPT = "Explain in detail how a refrigerator keeps food cold."
@@ -50,7 +49,8 @@ NO_AVX512_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="32 new tokens instead of 128, fewer repeats")
+    parser.add_argument("--quick", action="store_true",
+                        help="32 new tokens instead of 128 (64 instead of 256 on the tiny model)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per contender after a warm-up")
     parser.add_argument("--copy-mib", type=int, default=256, help="size of the bandwidth probe's copy (MiB)")
@@ -62,35 +62,13 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = now()
-        fn()
-        times.append(now() - start)
-    return statistics.median(times)
-
-
 # --- 1. SmolLM2 variants -----------------------------------------------------------------------------
 
-class Timed(NamedTuple):
-    tokens: list[int]
-    wall: float  # seconds (minillm.timing.now)
-    cpu: float  # this process's CPU seconds (time.process_time): steadier on a busy machine
-
-
-def timed(fn) -> Timed:
-    cpu, wall = time.process_time(), now()
-    tokens = fn()
-    return Timed(tokens, now() - wall, time.process_time() - cpu)
-
-
-def step_seconds(generate_n, n: int) -> tuple[list[int], float, float]:
-    """Tokens of an n-token run and the wall and CPU seconds of one decode step: (time of n tokens -
-    time of 1 token, i.e. the prefill) / (n - 1)."""
+def decode_run(generate_n, n: int) -> Run:
+    """An n-token run less its prefill: its tokens, and the wall and CPU seconds of its n - 1 decode
+    steps (time of n tokens - time of 1 token)."""
     full, first = timed(lambda: generate_n(n)), timed(lambda: generate_n(1))
-    return full.tokens, (full.wall - first.wall) / (n - 1), (full.cpu - first.cpu) / (n - 1)
+    return Run(full.tokens, full.wall - first.wall, full.cpu - first.cpu, [])
 
 
 def variants(args, n: int) -> None:
@@ -114,15 +92,12 @@ def variants(args, n: int) -> None:
     print(f"{COMPILED}: {decoder.reason}; first call {compile_s:.1f} s")
     for fn in contenders.values():
         fn(4)  # warm-up
-    runs: dict[str, list] = {name: [] for name in contenders}
-    for _ in range(args.repeats):
-        for name, fn in contenders.items():
-            runs[name].append(step_seconds(fn, n))
-    reference = runs["float32"][0][0]
+    runs = interleaved(args.repeats, {name: (lambda fn=fn: decode_run(fn, n)) for name, fn in contenders.items()})
+    reference = runs["float32"][0].tokens
     nll = {name: mean_nll(models[name], eval_ids) for name in VARIANTS}
     context = len(prompt) + n // 2
-    speed = {name: 1 / statistics.median(r[1] for r in rs) for name, rs in runs.items()}
-    cpu_speed = {name: 1 / statistics.median(r[2] for r in rs) for name, rs in runs.items()}
+    speed = {name: tokens_per_s(n - 1, rs, "wall") for name, rs in runs.items()}  # decode steps/s
+    cpu_speed = {name: tokens_per_s(n - 1, rs, "cpu") for name, rs in runs.items()}
     print(f"{'variant':>22} | {'MB/step':>7} | {'tok/s':>6} | {'vs f32':>6} | {'CPU-time':>8} | {'GB/s':>5} | "
           f"{'of copy':>7} | {'NLL':>6} | {'ppl':>6} | {'ppl rise':>8} | {'greedy match':>12} | same until")
     utilisation = {}
@@ -131,7 +106,7 @@ def variants(args, n: int) -> None:
         m = models[model_name]
         step_bytes = streamed_bytes(m) + kv_cache_bytes(m.config, context, 1, m.dtype)
         utilisation[name] = bandwidth_utilisation(step_bytes, speed[name], bandwidth)
-        tokens = runs[name][0][0]
+        tokens = runs[name][0].tokens
         same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), n)
         match = greedy_match(m, prompt, reference)
         rise = math.exp(nll[model_name] - nll["float32"]) - 1
@@ -140,7 +115,7 @@ def variants(args, n: int) -> None:
               f"{step_bytes * speed[name] / 1e9:>5.1f} | {utilisation[name]:>6.0%} | {nll[model_name]:>6.3f} | "
               f"{math.exp(nll[model_name]):>6.2f} | {rise:>+8.2%} | {match:>12.1%} | {same}/{n}")
     print("(vs f32: tokens/s over float32's, wall clock; CPU-time: the same ratio by CPU seconds)")
-    compiled, eager = runs[COMPILED][0][0], runs["int8"][0][0]
+    compiled, eager = runs[COMPILED][0].tokens, runs["int8"][0].tokens
     same = next((i for i, (a, b) in enumerate(zip(compiled, eager)) if a != b), n)
     print(f"{COMPILED} against eager int8: the same greedy tokens for {same} of {n} steps (fused bfloat16 "
           "kernels round differently; in float32 the two give identical tokens, part 3)")
@@ -158,7 +133,7 @@ def variants(args, n: int) -> None:
     verdict = "met" if utilisation[best] >= TARGET_UTILISATION else "NOT met"
     print(f"target best variant >= {TARGET_UTILISATION:.0%} of the copy bandwidth: {best} at "
           f"{utilisation[best]:.0%} ({verdict})")
-    print("sample (int8): " + repr(tokenizer.decode(runs["int8"][0][0][:40]))[:100])
+    print("sample (int8): " + repr(tokenizer.decode(runs["int8"][0].tokens[:40]))[:100])
 
 
 # --- 2. kernels ----------------------------------------------------------------------------------------
@@ -196,7 +171,7 @@ def kernel_probe(repeats: int) -> None:
                 for w, x in pairs:
                     op(w, x)
             with torch.inference_mode():
-                results[name, group] = median_seconds(run, repeats)
+                results[name, group] = median_time(run, repeats)
             del pairs
     for name in kernels:
         cells = [f"{results[name, g] * 1e3:>8.2f} ms {results['float32 F.linear', g] / results[name, g]:>5.2f}x"
@@ -229,31 +204,18 @@ def tiny(args, n: int) -> None:
     compiled = StaticDecoder(model, 16 + n)
     compiled.generate(prompt, n)
     compile_s = time.perf_counter() - start
-
-    def hf_generate():
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-        return out[0, 16:].tolist()
-
-    contenders = {"minillm generate": lambda: generate(model, prompt, n),
-                  "static step, eager": lambda: eager.generate(prompt, n),
-                  "static step, compiled": lambda: compiled.generate(prompt, n),
-                  f"transformers {transformers.__version__}": hf_generate}
+    contenders = {"minillm generate": lambda: timed(lambda: generate(model, prompt, n)),
+                  "static step, eager": lambda: timed(lambda: eager.generate(prompt, n)),
+                  "static step, compiled": lambda: timed(lambda: compiled.generate(prompt, n)),
+                  f"transformers {transformers.__version__}": lambda: run_transformers(hf, prompt, n)}
     print(f"\n3. Tiny model ({get_config('tiny').n_params / 1e6:.1f}M parameters, random weights, float32): batch 1, "
           f"16-token prompt, {n} new tokens, greedy; tokens/s over the whole run (prefill included), "
           f"{3 * args.repeats} timed runs each, alternating, medians")
     print(f"compiled step: {compiled.reason}; first call (compile + run) {compile_s:.1f} s")
-    outputs = {name: fn() for name, fn in contenders.items()}  # warm-up, and the tokens to compare
-    if len({tuple(t) for t in outputs.values()}) != 1:
-        sys.exit(f"FAIL: tokens differ between {list(outputs)}")
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(3 * args.repeats):
-        for name, fn in contenders.items():
-            start = now()
-            fn()
-            times[name].append(now() - start)
-    speed = {name: n / statistics.median(t) for name, t in times.items()}
+    interleaved(1, contenders)  # warm-up
+    results = interleaved(3 * args.repeats, contenders)
+    same = check_identical(results, f"tiny model, {n} new tokens")
+    speed = {name: tokens_per_s(n, rs, "wall") for name, rs in results.items()}
     hf_name = list(contenders)[-1]
     print(f"{'':>26} | {'tok/s':>7} | {'ms/token':>8} | vs transformers")
     for name, s in speed.items():
@@ -261,7 +223,7 @@ def tiny(args, n: int) -> None:
     ratio = speed["static step, compiled"] / speed[hf_name]
     verdict = "met" if ratio >= TARGET_COMPILED_OVER_HF else "NOT met"
     print(f"target compiled >= {TARGET_COMPILED_OVER_HF}x transformers: {ratio:.2f}x ({verdict}); "
-          "identical tokens: True")
+          f"identical tokens: {same}")
 
 
 def main() -> None:

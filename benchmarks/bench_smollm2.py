@@ -24,10 +24,10 @@ import transformers
 
 from minillm import load_pretrained
 from minillm.device import DEVICE_NAMES
-from minillm.hf import to_transformers
-from minillm.memory import decode_bytes, kv_cache_bytes, streamed_weight_bytes
+from minillm.memory import (bandwidth_bound_steps_per_s, bandwidth_utilisation, decode_bytes, kv_cache_bytes,
+                            streamed_weight_bytes)
 from minillm.roofline import measure_bandwidth, time_decode_step
-from timed_runs import Run, check_identical, interleaved, run_minillm, run_transformers, tokens_per_s
+from timed_runs import Run, check_identical, compare_with_transformers, interleaved, run_minillm, tokens_per_s
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "Once upon a time, in a small village,"
@@ -62,25 +62,11 @@ def verdict(holds: bool) -> str:
 
 def minillm_vs_transformers(model, prompt, repeats) -> list[Run]:
     """Part a; returns minillm's runs (part d reads their decode step time)."""
-    hf_model = to_transformers(model, "sdpa", bos_token_id=None, eos_token_id=None, pad_token_id=0)
     n = HF_TOKENS
     print(f"\na. minillm cached decode vs transformers {transformers.__version__} LlamaForCausalLM.generate "
           f"(minillm's weights copied with minillm.hf.to_transformers, sdpa attention in both; {n} new tokens, "
           f"{repeats} timed runs each after one warm-up, alternating)")
-    runs = {"minillm": lambda: run_minillm(model, prompt, n, True),
-            "transformers": lambda: run_transformers(hf_model, prompt, n)}
-    interleaved({"minillm": 1, "transformers": 1}, runs)  # warm-up
-    results = interleaved({"minillm": repeats, "transformers": repeats}, runs)
-    same = check_identical(results, f"{n} new tokens")
-    print(f"{'':>12} | {'tok/s':>7} | {'ms/token':>8} | {'tok/CPU-s':>9}")
-    for name, rs in results.items():
-        wall = tokens_per_s(n, rs)
-        print(f"{name:>12} | {wall:>7.1f} | {1e3 / wall:>8.2f} | {tokens_per_s(n, rs, 'cpu'):>9.1f}")
-    ratio, cpu_ratio = (tokens_per_s(n, results["minillm"], c) / tokens_per_s(n, results["transformers"], c)
-                        for c in ("wall", "cpu"))
-    print(f"minillm / transformers tokens/s: {ratio:.2f}x (target >= {TARGET_MINILLM_OVER_HF}x: "
-          f"{verdict(ratio >= TARGET_MINILLM_OVER_HF)}); by CPU time: {cpu_ratio:.2f}x; identical tokens: {same}")
-    return results["minillm"]
+    return compare_with_transformers(model, prompt, n, repeats, TARGET_MINILLM_OVER_HF)["minillm"]
 
 
 def naive_vs_cached(model, prompt, repeats) -> None:
@@ -114,19 +100,20 @@ def batch_sweep(model, bandwidth: float) -> None:
         seconds = time_decode_step(model, BATCH_CONTEXT, batch, repeats=STEP_REPEATS)
         base = base or seconds
         read = decode_bytes(model.config, BATCH_CONTEXT, batch, dtype)
+        mbu = bandwidth_utilisation(read, 1 / seconds, bandwidth)
         print(f"{batch:>5} | {seconds * 1e3:>8.2f} | {seconds / base:>8.2f}x | {batch / seconds:>7.1f} | "
-              f"{read / 1e6:>12.1f} | {read / seconds / bandwidth:>5.0%}")
+              f"{read / 1e6:>12.1f} | {mbu:>5.0%}")
     print(f"(a step at batch {BATCHES[-1]} does {BATCHES[-1]}x the work of batch 1; where it takes far less than "
           f"{BATCHES[-1]}x the time, decode is bound by reading the weights, which every row shares)")
 
 
-def bandwidth_utilisation(model, prompt_len: int, runs: list[Run], bandwidth: float) -> None:
+def batch1_utilisation(model, prompt_len: int, runs: list[Run], bandwidth: float) -> None:
     """Part d for batch-1 generation: the runs of part a."""
     n, dtype = HF_TOKENS, model.dtype
     context = prompt_len + n // 2  # mean context of the decode steps
     weights, kv = streamed_weight_bytes(model.config, dtype), kv_cache_bytes(model.config, context, 1, dtype)
     step = statistics.median(statistics.mean(r.steps) for r in runs)
-    achieved = (weights + kv) / step
+    achieved, mbu = (weights + kv) / step, bandwidth_utilisation(weights + kv, 1 / step, bandwidth)
     print("\nd. Memory-bandwidth utilisation of batch-1 decode (gpt-fast's MBU), from part a's minillm runs")
     print(f"bytes read per step: {weights / 1e6:.1f} MB of weights + {kv / 1e6:.1f} MB of KV cache (mean context "
           f"{context} tokens) = {(weights + kv) / 1e6:.1f} MB")
@@ -134,9 +121,9 @@ def bandwidth_utilisation(model, prompt_len: int, runs: list[Run], bandwidth: fl
           f"-> {achieved / 1e9:.2f} GB/s")
     print(f"copy bandwidth measured in this run (torch copy of {COPY_BYTES / 2 ** 20:.0f} MiB, read + write "
           f"counted, threads {torch.get_num_threads()}): {bandwidth / 1e9:.2f} GB/s")
-    print(f"MBU = {achieved / 1e9:.2f} / {bandwidth / 1e9:.2f} = {achieved / bandwidth:.0%} (the rest of each "
+    print(f"MBU = {achieved / 1e9:.2f} / {bandwidth / 1e9:.2f} = {mbu:.0%} (the rest of each "
           f"step: compute and per-step overhead; the floor, all bytes at copy speed, is "
-          f"{(weights + kv) / bandwidth * 1e3:.2f} ms/step)")
+          f"{1e3 / bandwidth_bound_steps_per_s(weights + kv, bandwidth):.2f} ms/step)")
 
 
 def main() -> None:
@@ -160,7 +147,7 @@ def main() -> None:
     runs = minillm_vs_transformers(model, prompt, args.repeats)
     naive_vs_cached(model, prompt, args.repeats)
     batch_sweep(model, bandwidth)
-    bandwidth_utilisation(model, len(prompt), runs, bandwidth)
+    batch1_utilisation(model, len(prompt), runs, bandwidth)
     print(f"\ntotal time of the benchmark: {time.perf_counter() - start:.0f} s")
 
 

@@ -9,6 +9,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from minillm import now, stream_generate
+from minillm.hf import to_transformers
 
 
 class Run(NamedTuple):
@@ -29,14 +30,23 @@ def run_minillm(model, prompt: list[int], n: int, use_cache: bool) -> Run:
     return Run([e.token_id for e in events], events[-1].time - start, cpu, steps)
 
 
+def timed(fn: Callable[[], list[int]], device: torch.device | str | None = None) -> Run:
+    """``fn()``, which returns tokens, timed as a whole (no per-step times)."""
+    cpu, start = time.process_time(), now(device)
+    tokens = fn()
+    return Run(tokens, now(device) - start, time.process_time() - cpu, [])
+
+
 def run_transformers(hf_model, prompt: list[int], n: int) -> Run:
     """``generate``, greedy, for n tokens (the model's config has no EOS)."""
     ids = torch.tensor([prompt], device=hf_model.device)  # (1, T)
-    cpu, start = time.process_time(), now(hf_model.device)
-    with torch.inference_mode():
-        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    wall, cpu = now(hf_model.device) - start, time.process_time() - cpu
-    return Run(out[0, ids.shape[1]:].tolist(), wall, cpu, [])
+
+    def generate() -> list[int]:
+        with torch.inference_mode():
+            out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+        return out[0, ids.shape[1]:].tolist()
+
+    return timed(generate, hf_model.device)
 
 
 def interleaved(repeats: int | dict[str, int], runs: dict[str, Callable[[], Run]]) -> dict[str, list[Run]]:
@@ -62,3 +72,28 @@ def check_identical(results: dict[str, list[Run]], what: str) -> bool:
     if len(outputs) != 1:
         sys.exit(f"FAIL: {' and '.join(results)} tokens differ ({what})")
     return True
+
+
+def compare_with_transformers(model, prompt: list[int], n: int, repeats: int,
+                              target: float) -> dict[str, list[Run]]:
+    """minillm's cached decode against transformers' ``generate`` on the same weights (copied with
+    ``minillm.hf.to_transformers``, sdpa attention in both): one warm-up each, then ``repeats`` timed
+    runs each, alternating; prints tokens/s and their ratio against ``target``. Exits with FAIL
+    when the tokens differ."""
+    hf_model = to_transformers(model, attn_implementation="sdpa", bos_token_id=None, eos_token_id=None,
+                               pad_token_id=0)
+    runs = {"minillm": lambda: run_minillm(model, prompt, n, True),
+            "transformers": lambda: run_transformers(hf_model, prompt, n)}
+    interleaved(1, runs)  # warm-up
+    results = interleaved(repeats, runs)
+    same = check_identical(results, f"{n} new tokens")
+    print(f"{'':>12} | {'tok/s':>8} | {'ms/token':>8} | {'tok/CPU-s':>9}")
+    for name, rs in results.items():
+        wall = tokens_per_s(n, rs, "wall")
+        print(f"{name:>12} | {wall:>8.1f} | {1e3 / wall:>8.2f} | {tokens_per_s(n, rs, 'cpu'):>9.1f}")
+    ratio, cpu_ratio = (tokens_per_s(n, results["minillm"], c) / tokens_per_s(n, results["transformers"], c)
+                        for c in ("wall", "cpu"))
+    verdict = "met" if ratio >= target else "NOT met"
+    print(f"minillm / transformers tokens/s: {ratio:.2f}x (target >= {target}x: {verdict}); "
+          f"by CPU time: {cpu_ratio:.2f}x; identical tokens: {same}")
+    return results

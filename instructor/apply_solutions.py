@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from minillm.labs import function_names
+from minillm.labs.notebooks import lab_cells
 
 SOLUTIONS = Path(__file__).resolve().parent / "solutions"
 
@@ -48,21 +49,14 @@ def apply(notebook: str | Path, out: str | Path) -> int:
     """Write the solved copy of ``notebook`` to ``out``; the number of cells changed."""
     module = solution_module(notebook)
     nb = json.loads(Path(notebook).read_text(encoding="utf-8"))
-    known, changed = set(function_names()), 0
+    stubs = lab_cells(notebook)
     for cell in nb["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        cell["outputs"], cell["execution_count"] = [], None
-        source = "".join(cell["source"])
-        try:
-            tree = ast.parse(source)
-        except SyntaxError:
-            continue
-        if any(isinstance(n, ast.FunctionDef) and n.name in known for n in tree.body):
-            cell["source"] = solved_source(source, module).splitlines(keepends=True)
-            changed += 1
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+    for index, source in stubs:
+        nb["cells"][index]["source"] = solved_source(source, module).splitlines(keepends=True)
     Path(out).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    return changed
+    return len(stubs)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from .hf import read_json
 # llama.cpp's "smollm" pre-tokenizer (as in SmolLM2's tokenizer.json): every digit on its own, then
 # GPT-2's split into words, numbers, punctuation and spaces.
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+PRE_TOKENIZERS = ("smollm", "gpt2")  # tokenizer.ggml.pre values built here (llama.cpp's names)
 CONTROL_TOKEN_TYPE = 3  # llama.cpp's token_type for special tokens such as <|im_end|>
 
 
@@ -63,9 +64,9 @@ class BPETokenizer:
         tk = _tokenizers_module()
         if meta.get("model") != "gpt2":
             raise ValueError(f"tokenizer.ggml.model={meta.get('model')!r}: only byte-level BPE ('gpt2') is supported")
-        if meta.get("pre") not in ("smollm", "gpt2", "default", None):
-            raise ValueError(f"tokenizer.ggml.pre={meta['pre']!r}: minillm knows the 'smollm' and 'gpt2' "
-                             "pre-tokenizers only")
+        if meta.get("pre") not in PRE_TOKENIZERS:
+            raise ValueError(f"tokenizer.ggml.pre={meta.get('pre')!r}: minillm knows the pre-tokenizers "
+                             f"{PRE_TOKENIZERS} only")
         tokens = list(meta["tokens"])
         vocab = {token: i for i, token in enumerate(tokens)}
         merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]

@@ -23,6 +23,7 @@ import torch
 
 from .checks import check_int
 from .config import PRESETS
+from .detokenize import TextStream
 from .device import DEVICE_NAMES, DTYPES, resolve_device, resolve_dtype
 from .generate import TokenEvent, check_lengths, stream_generate
 from .metrics import RequestTiming, e2e_latency, tpot, ttft
@@ -96,36 +97,6 @@ def check_args(args: argparse.Namespace) -> tuple[str, SamplingParams]:
     if prompt is None:
         prompt = DEFAULT_PROMPTS["chat" if args.chat else "text"]
     return prompt, sampling
-
-
-class TextStream:
-    """Token ids in, text out as soon as it is whole: a character split across tokens (a Chinese character
-    is 3 UTF-8 bytes, which byte-level BPE may cut in two) is held back until its last byte arrives.
-
-    vLLM's incremental detokenization: decode the tokens since the last printed piece, with that piece's
-    tokens as context, and print what grew, unless it ends in U+FFFD (an incomplete character).
-    """
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids = tokenizer, []
-        self.prefix_offset = self.read_offset = 0  # ids[prefix_offset:read_offset] = the last printed piece
-
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text it completes (maybe "")."""
-        self.ids.append(int(token_id))
-        return self._emit(final=False)
-
-    def flush(self) -> str:
-        """After the last token: whatever is held back (an invalid byte sequence prints as U+FFFD)."""
-        return self._emit(final=True)
-
-    def _emit(self, final: bool) -> str:
-        before = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return text[len(before):]
 
 
 class Run(NamedTuple):

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from .checks import check_int
+from .checks import check_int, check_number
 from .config import ModelConfig, get_config
 
 BYTES_PER_ELEMENT: dict[str, int] = {
@@ -159,10 +159,8 @@ def prefill_bytes(config, prompt_len: int, batch_size: int = 1, dtype: str | tor
 
 def arithmetic_intensity(flops: int | float, bytes_moved: int | float) -> float:
     """FLOPs per byte moved."""
-    if not flops >= 0:
-        raise ValueError(f"flops={flops!r} must be >= 0")
-    if not bytes_moved > 0:
-        raise ValueError(f"bytes_moved={bytes_moved!r} must be > 0")
+    check_number("flops", flops, inclusive=True)
+    check_number("bytes_moved", bytes_moved)
     return flops / bytes_moved
 
 
@@ -274,19 +272,15 @@ def quantized_weight_bytes(config: ModelConfig | str, bits: int, group_size: int
 def bandwidth_bound_steps_per_s(bytes_per_step: int | float, bandwidth: float) -> float:
     """The most decode steps per second a memory system of ``bandwidth`` bytes/s allows when every
     step reads ``bytes_per_step``: bandwidth / bytes_per_step."""
-    for name, value in (("bytes_per_step", bytes_per_step), ("bandwidth", bandwidth)):
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or not 0 < value < math.inf):
-            raise ValueError(f"{name}={value!r} must be a finite number > 0")
+    check_number("bytes_per_step", bytes_per_step)
+    check_number("bandwidth", bandwidth)
     return bandwidth / bytes_per_step
 
 
 def bandwidth_utilisation(bytes_per_step: int | float, steps_per_s: float, bandwidth: float) -> float:
     """Fraction of ``bandwidth`` (bytes/s) a decode loop achieves: bytes_per_step x steps_per_s /
     bandwidth (gpt-fast's "bandwidth achieved", as a fraction)."""
-    if (isinstance(steps_per_s, bool) or not isinstance(steps_per_s, (int, float))
-            or not 0 <= steps_per_s < math.inf):
-        raise ValueError(f"steps_per_s={steps_per_s!r} must be a finite number >= 0")
+    check_number("steps_per_s", steps_per_s, inclusive=True)
     return steps_per_s / bandwidth_bound_steps_per_s(bytes_per_step, bandwidth)
 
 

@@ -22,6 +22,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .checks import check_int, check_number
+
 
 @dataclass(frozen=True)
 class RequestTiming:
@@ -154,8 +156,8 @@ class SLO:
     def __post_init__(self) -> None:
         for name in ("ttft", "tpot", "e2e"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"SLO {name}={value!r} must be a positive number of seconds or None")
+            if value is not None:
+                check_number(f"SLO {name}", value)  # seconds
         if self.ttft is None and self.tpot is None and self.e2e is None:
             raise ValueError("an SLO needs at least one objective (ttft, tpot or e2e)")
 
@@ -236,8 +238,7 @@ def serving_metrics(requests: Sequence, duration: float | None = None, slo: SLO 
             raise ValueError(f"cannot derive a duration: {len(checked)} request(s), none with a token; "
                              "pass duration= (seconds) explicitly")
         duration = max(times[-1] for _, times in done) - min(arrival for arrival, _ in checked)
-    if not (isinstance(duration, (int, float)) and math.isfinite(duration) and duration > 0):
-        raise ValueError(f"duration={duration!r} must be a positive, finite number of seconds")
+    check_number("duration", duration)
     out_tokens = sum(len(times) for _, times in done)
     in_tokens = sum(int(r.prompt_len) for r, _ in done)
     n_good = sum(slo.met_by(r) for r, _ in done) if slo is not None else None
@@ -314,12 +315,6 @@ class SLOPlan:
     limited_by: str  # "tpot", "ttft", or why there is no plan
 
 
-def _positive(name: str, value, integer: bool = False) -> None:
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive {'integer' if integer else 'number'}")
-
-
 def plan_for_slo(concurrency: int, output_tokens: int, tpot_slo: float, decode_tokens_per_s: float,
                  ttft_slo: float | None = None, prompt_tokens: int | None = None,
                  prefill_tokens_per_s: float | None = None, burst: int = 1) -> SLOPlan:
@@ -337,20 +332,20 @@ def plan_for_slo(concurrency: int, output_tokens: int, tpot_slo: float, decode_t
     ``decode_tokens_per_s`` must be what the device sustains at the resulting streams per device; the
     plan cannot check that (measure it). Queueing beyond one burst is not modelled: a lower bound on TTFT.
     """
-    _positive("concurrency", concurrency, integer=True)
-    _positive("output_tokens", output_tokens, integer=True)
-    _positive("tpot_slo", tpot_slo)
-    _positive("decode_tokens_per_s", decode_tokens_per_s)
-    _positive("burst", burst, integer=True)
+    check_int("concurrency", concurrency)
+    check_int("output_tokens", output_tokens)
+    check_number("tpot_slo", tpot_slo)
+    check_number("decode_tokens_per_s", decode_tokens_per_s)
+    check_int("burst", burst)
     prefill_args = (ttft_slo, prompt_tokens, prefill_tokens_per_s)
     if any(a is not None for a in prefill_args) and any(a is None for a in prefill_args):
         raise ValueError("give ttft_slo, prompt_tokens and prefill_tokens_per_s together (or none of them); "
                          f"got {prefill_args}")
     with_ttft = ttft_slo is not None
     if with_ttft:
-        _positive("ttft_slo", ttft_slo)
-        _positive("prompt_tokens", prompt_tokens, integer=True)
-        _positive("prefill_tokens_per_s", prefill_tokens_per_s)
+        check_number("ttft_slo", ttft_slo)
+        check_int("prompt_tokens", prompt_tokens)
+        check_number("prefill_tokens_per_s", prefill_tokens_per_s)
     request_time = (ttft_slo + (output_tokens - 1) * tpot_slo) if with_ttft else output_tokens * tpot_slo
     streams = decode_tokens_per_s * tpot_slo  # without prefill
     prefill_time = prompt_tokens / prefill_tokens_per_s if with_ttft else None

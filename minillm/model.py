@@ -225,11 +225,13 @@ class CausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The compute dtype: the embedding table's, which every activation starts from (never
+        quantized, unlike the linear layers, ``lm_head`` included)."""
+        return self.model.embed_tokens.weight.dtype
 
     def set_attention_impl(self, impl: str) -> "CausalLM":
         """``"sdpa"`` (fused, default) or ``"eager"`` (explicit scores, mask and softmax)."""

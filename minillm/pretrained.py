@@ -59,8 +59,13 @@ def _read_gguf_cached(path: str, mtime_ns: int) -> GGUFCheckpoint:
     return read_gguf(path)
 
 
+def _checkpoint_at(path: Path) -> GGUFCheckpoint:
+    """The checkpoint in the GGUF file at ``path``, read once while the file is unchanged."""
+    return _read_gguf_cached(str(path.resolve()), path.stat().st_mtime_ns)
+
+
 def _load_gguf(path: Path, device, dtype) -> tuple[CausalLM, BPETokenizer]:
-    checkpoint = _read_gguf_cached(str(path.resolve()), path.stat().st_mtime_ns)
+    checkpoint = _checkpoint_at(path)
     model = load_state_dict_into(empty_model(checkpoint.config, device, dtype), checkpoint.state_dict)
     return model.eval().requires_grad_(False), BPETokenizer.from_gguf_metadata(checkpoint.tokenizer)
 
@@ -118,6 +123,5 @@ def load_pretrained(name_or_path: str | Path, device="cpu", dtype="float32", *,
 def gguf_checkpoint(name_or_path: str | Path = "smollm2-135m-instruct") -> GGUFCheckpoint:
     """The (cached) checkpoint behind a named model or GGUF path: config, float32 weights, storage types."""
     key = str(name_or_path).lower()
-    path = packaged_path(key) if key in PACKAGED else Path(name_or_path)
-    return _read_gguf_cached(str(path.resolve()), path.stat().st_mtime_ns)
+    return _checkpoint_at(packaged_path(key) if key in PACKAGED else Path(name_or_path))
 

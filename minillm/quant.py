@@ -139,12 +139,6 @@ class Int8Linear(nn.Module):
         q, scales = quantize_int8(linear.weight)
         return cls(q, scales, dtype, kernel)
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """A stand-in with the compute dtype and device (there is no float weight):
-        ``CausalLM.dtype`` and ``.device`` read them from ``lm_head.weight``."""
-        return self.scales
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # (N, in)
         if self.kernel == "int8pack" and rows.shape[0] <= INT8PACK_MAX_ROWS:

@@ -8,7 +8,6 @@ with the machine it actually runs on.
 """
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass
 from typing import Callable
@@ -17,12 +16,18 @@ import numpy as np
 import torch
 
 from .cache import KVCache
-from .checks import check_int
+from .checks import check_int, check_number
 from .device import resolve_device, resolve_dtype
-from .memory import decode_bytes, decode_flops, prefill_bytes, prefill_flops
+from .engine import MixedBatchCache, PagedBatchCache, PagedKVPool, blocks_for
+from .memory import (bandwidth_utilisation, decode_bytes, decode_flops, prefill_bytes,
+                     prefill_flops)
 from .timing import now
 
 Clock = Callable[[torch.device], float]
+
+# The GPU the source documents size their examples for (NVIDIA A100 80 GB SXM, datasheet).
+A100_PEAK_FLOPS = 312e12  # FLOP/s: dense float16/bfloat16 on the tensor cores
+A100_BANDWIDTH = 2.039e12  # bytes/s: HBM2e
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
@@ -133,21 +138,11 @@ def time_decode_step(model, context_len: int, batch_size: int = 1, repeats: int 
     return median_time(step, repeats=repeats, device=model.device, clock=clock)
 
 
-def _is_number(value) -> bool:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return number and math.isfinite(value)
-
-
-def _check_peak(name: str, value) -> None:
-    if not _is_number(value) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a finite number > 0")
-
-
 def ridge_point(peak_flops: float, peak_bw: float) -> float:
     """The intensity (FLOP/byte) where the roofline bends: memory limits below it, compute
     above it."""
-    _check_peak("peak_flops", peak_flops)
-    _check_peak("peak_bw", peak_bw)
+    check_number("peak_flops", peak_flops)
+    check_number("peak_bw", peak_bw)
     return peak_flops / peak_bw
 
 
@@ -157,8 +152,8 @@ def roofline(intensity, peak_flops: float, peak_bw: float):
     ``intensity`` (FLOP/byte) may be a number (returns a float) or an array (returns an
     array, to plot).
     """
-    _check_peak("peak_flops", peak_flops)
-    _check_peak("peak_bw", peak_bw)
+    check_number("peak_flops", peak_flops)
+    check_number("peak_bw", peak_bw)
     values = np.asarray(intensity, dtype=float)
     if not np.all(np.isfinite(values)) or np.any(values < 0):
         raise ValueError(f"intensity={intensity!r} must be finite and >= 0 (FLOP/byte)")
@@ -170,11 +165,10 @@ def roofline_time(flops: float, bytes_moved: float, peak_flops: float,
                   peak_bw: float) -> float:
     """Least seconds a call can take: the larger of compute time and memory time,
     ``max(flops / peak_flops, bytes_moved / peak_bw)`` (= flops / roofline(intensity))."""
-    _check_peak("peak_flops", peak_flops)
-    _check_peak("peak_bw", peak_bw)
-    for name, value in (("flops", flops), ("bytes_moved", bytes_moved)):
-        if not _is_number(value) or value < 0:
-            raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+    check_number("peak_flops", peak_flops)
+    check_number("peak_bw", peak_bw)
+    check_number("flops", flops, inclusive=True)
+    check_number("bytes_moved", bytes_moved, inclusive=True)
     return max(flops / peak_flops, bytes_moved / peak_bw)
 
 
@@ -189,8 +183,8 @@ class RooflinePoint:
     peak_bw: float  # bytes/s
 
     def __post_init__(self) -> None:
-        for name in ("bytes_moved", "seconds"):
-            _check_peak(name, getattr(self, name))
+        check_number("bytes_moved", self.bytes_moved)
+        check_number("seconds", self.seconds)
         self.roofline_time  # validates flops and the peaks
 
     @property
@@ -222,7 +216,7 @@ class RooflinePoint:
     @property
     def mbu(self) -> float:
         """Achieved bytes/s over the peak bytes/s (bandwidth utilization)."""
-        return self.bytes_moved / self.seconds / self.peak_bw
+        return bandwidth_utilisation(self.bytes_moved, 1 / self.seconds, self.peak_bw)
 
 
 def prefill_share(config, prompt_len: int, output_len: int, peak_flops: float,
@@ -243,3 +237,64 @@ def prefill_share(config, prompt_len: int, output_len: int, peak_flops: float,
                                  decode_bytes(config, prompt_len + j, batch_size, dtype),
                                  peak_flops, peak_bw) for j in range(1, output_len))
     return t_prefill / (t_prefill + t_decode / batch_size)
+
+
+def mixed_step_calls(model, decode_rows: int, context_len: int, chunk_lens,
+                     block_size: int = 16, seed: int = 0) -> dict[str, Callable]:
+    """The calls that time one mixed step against its parts, on one paged KV pool.
+
+    ``"decode"``: ``decode_rows`` rows each feed one token that attends ``context_len``
+    positions (the earlier ones hold zeros, as in ``time_decode_step``). For each ``C`` of
+    ``chunk_lens``, ``"chunk C"``: a prefill chunk of ``C`` random tokens at position 0,
+    and ``"fused C"``: the decode tokens then the chunk in one row, one call, as the
+    engine's mixed step (``MixedBatchCache``). Each call returns its logits, one row per
+    token: ``(decode_rows, vocab)``, ``(C, vocab)``, ``(decode_rows + C, vocab)``; every
+    call of a kind repeats the same work.
+    """
+    B = check_int("decode_rows", decode_rows)
+    last = check_int("context_len", context_len) - 1
+    chunk_lens = [check_int(f"chunk_lens[{i}]", C) for i, C in enumerate(chunk_lens)]
+    if not chunk_lens:
+        raise ValueError("chunk_lens=[] must name at least one chunk length")
+    check_int("block_size", block_size)
+    c, device = model.config, model.device
+    per_row = blocks_for(context_len, block_size)
+    pool = PagedKVPool(c, B * per_row + blocks_for(max(chunk_lens), block_size),
+                       block_size, device, model.dtype)
+    rows = [list(range(i * per_row, (i + 1) * per_row)) for i in range(B)]  # block tables
+    chunk_table = list(range(B * per_row, pool.num_blocks))
+    gen = torch.Generator().manual_seed(seed)
+    dec_ids = torch.randint(c.vocab_size, (B, 1), generator=gen).to(device)  # (B, 1)
+    dec_pos = torch.full((B, 1), last, device=device)  # (B, 1)
+
+    def decode_cache():
+        return PagedBatchCache(pool, rows, [last] * B)
+
+    @torch.inference_mode()
+    def decode():
+        return model(dec_ids, dec_pos, decode_cache())[:, -1]  # (B, vocab)
+
+    def chunk_pair(ids):  # ids: (1, C)
+        pos = torch.arange(ids.shape[1], device=device)[None]  # (1, C)
+
+        @torch.inference_mode()
+        def chunk():
+            cache = PagedBatchCache(pool, [chunk_table], [0])
+            return model(ids, pos, cache)[0]  # (C, vocab)
+
+        @torch.inference_mode()
+        def fused():
+            parts = [(B, 1, decode_cache()),
+                     (1, ids.shape[1], PagedBatchCache(pool, [chunk_table], [0]))]
+            row = torch.cat([dec_ids.flatten(), ids.flatten()])[None]  # (1, B + C)
+            row_pos = torch.cat([dec_pos.flatten(), pos.flatten()])[None]  # (1, B + C)
+            cache = MixedBatchCache(parts, c.n_groups)
+            return model(row, row_pos, cache)[0]  # (B + C, vocab)
+
+        return chunk, fused
+
+    calls = {"decode": decode}
+    for C in chunk_lens:
+        ids = torch.randint(c.vocab_size, (1, C), generator=gen).to(device)  # (1, C)
+        calls[f"chunk {C}"], calls[f"fused {C}"] = chunk_pair(ids)
+    return calls

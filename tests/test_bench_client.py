@@ -153,6 +153,12 @@ def test_the_command_line_against_a_server(server, tmp_path, capsys):  # noqa: F
     saved = json.loads(out.read_text())
     assert saved["metrics"]["completed"] == 6 and saved["arguments"]["request_rate"] == 30
     assert saved["engine"]["metrics"]["completed"] == 6 and len(saved["requests"]) == 6
+    for name in ("added_ttft_ms", "added_e2e_ms"):  # numbers in ms, shaped like every other latency
+        added = saved["engine"][name]
+        assert added.keys() == saved["metrics"]["ttft_ms"].keys() == {"n", "mean", "p50", "p90", "p99"}
+        assert added["n"] == 6 and all(isinstance(added[k], float) and added[k] >= 0
+                                       for k in ("mean", "p50", "p90", "p99"))
+        assert added["p50"] <= added["p99"]
 
 
 def test_http_errors_are_recorded_not_raised(server):  # noqa: F811

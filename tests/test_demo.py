@@ -10,6 +10,7 @@ import pytest
 
 import minillm.demo as demo
 from minillm.bpe import BPETokenizer
+from minillm.detokenize import TextStream
 from minillm.pretrained import PACKAGED, gguf_checkpoint
 
 NUMBER = r"\s+(\d+\.\d+)"
@@ -93,12 +94,12 @@ def test_streamed_text_is_the_decode_of_the_tokens_piece_by_piece(monkeypatch, c
 def test_text_stream_holds_a_split_character_until_its_last_byte(tokenizer):
     ids = tokenizer.encode("你好, 🌟!")
     assert len(ids) > len("你好, 🌟!")  # BPE split some characters into several tokens
-    stream = demo.TextStream(tokenizer)
+    stream = TextStream(tokenizer)
     pieces = [stream.push(i) for i in ids] + [stream.flush()]
     assert "".join(pieces) == "你好, 🌟!"
     assert all("\ufffd" not in piece for piece in pieces)
     assert pieces[:2] == ["", "你"]  # 你 is two tokens: nothing after the first
-    invalid = demo.TextStream(tokenizer)  # a lone lead byte never completes: flush prints it as U+FFFD
+    invalid = TextStream(tokenizer)  # a lone lead byte never completes: flush prints it as U+FFFD
     assert invalid.push(ids[0]) == "" and invalid.flush() == "\ufffd"
 
 

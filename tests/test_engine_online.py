@@ -42,7 +42,7 @@ def test_eos_is_reported_as_the_finish_reason():
 
 @pytest.mark.parametrize("caching", [False, True])
 def test_abort_frees_a_waiting_or_running_request_at_once(caching):
-    """One slot: a runs, b waits. Aborting b drops it from the queue; aborting a mid-decode frees its
+    """Two slots: a and c run, b waits. Aborting b drops it from the queue; aborting a mid-decode frees its
     blocks at once (shared prefix blocks stay with whoever still holds them)."""
     prefix = list(range(60, 76))
     a, b, c = (Request(name, prefix + [i], 20) for i, name in enumerate("abc"))

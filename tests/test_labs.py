@@ -18,7 +18,7 @@ from minillm.labs import lab2_1, lab2_2, lab2_3, lab2_4
 from minillm.labs.__main__ import main as labs_cli
 from minillm.labs.batching import Spec, simulate
 from minillm.labs.checker import lab_tasks
-from minillm.labs.notebooks import functions_from_notebook, grade_notebook, lab_cells
+from minillm.labs.notebooks import defined_names, functions_from_notebook, grade_notebook, lab_cells
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LABS = sorted((ROOT / "book" / "labs").glob("lab*.ipynb"))
@@ -55,8 +55,7 @@ def test_notebook_holds_the_untouched_stubs(path):
     assert not problems
     assert sorted(functions) == sorted(function_names(lab))
     reference = solutions(lab)
-    defined = [name for _, source in lab_cells(path) for name in
-               (n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef))]
+    defined = [name for _, source in lab_cells(path) for name in defined_names(source)]
     assert sorted(defined) == sorted(function_names(lab)), "each function once, in a cell of its own lab"
     for index, source in lab_cells(path):
         assert source.startswith("# YOUR CODE: task"), f"cell {index} is not marked as a stub"

@@ -183,7 +183,7 @@ def test_plan_with_ttft():
 def test_plan_validation():
     with pytest.raises(ValueError, match="concurrency=0"):
         plan_for_slo(0, 200, 0.03, 2000)
-    with pytest.raises(ValueError, match="output_tokens=2.5"):
+    with pytest.raises(TypeError, match="output_tokens=2.5 must be an integer"):
         plan_for_slo(100, 2.5, 0.03, 2000)
     with pytest.raises(ValueError, match="together"):
         plan_for_slo(100, 200, 0.03, 2000, ttft_slo=0.3)

@@ -9,6 +9,7 @@ import torch
 
 import minillm
 from minillm import KVCache, SamplingParams, generate, load_pretrained, memory
+from minillm.bpe import BPETokenizer
 from minillm.gguf_checkpoint import read_gguf, unpermute_rope_rows
 from minillm.pretrained import PACKAGED, PackagedModel, _read_gguf_cached, gguf_checkpoint, packaged_path
 
@@ -174,6 +175,19 @@ def test_unpermute_rope_rows_inverts_llama_cpp_permutation():
 def test_unknown_name_is_refused():
     with pytest.raises(ValueError, match="unknown model 'smollm-9000'.*smollm2-135m-instruct"):
         load_pretrained("smollm-9000")
+
+
+@pytest.mark.parametrize("pre", ["default", None, "llama3"])
+def test_a_pre_tokenizer_other_than_smollm_or_gpt2_is_refused(pre):
+    """llama.cpp's default pre-tokenizer splits differently from GPT-2's: refused, not approximated."""
+    meta = {**gguf_checkpoint(NAME).tokenizer, "pre": pre}
+    if pre is None:
+        del meta["pre"]
+    message = rf"tokenizer.ggml.pre={pre!r}: minillm knows the pre-tokenizers \('smollm', 'gpt2'\) only"
+    with pytest.raises(ValueError, match=message):
+        BPETokenizer.from_gguf_metadata(meta)
+    gpt2 = BPETokenizer.from_gguf_metadata({**meta, "pre": "gpt2"})
+    assert gpt2.decode(gpt2.encode("12 apples")) == "12 apples"
 
 
 def test_missing_package_says_what_to_install(monkeypatch):

@@ -199,7 +199,7 @@ def nll(smollm2, eval_ids):
 
 @pytest.mark.parametrize("name", ["bfloat16", "int8"])
 def test_variant_loss_is_within_one_percent_of_float32(nll, name):
-    """Measured: float32 3.355 nats/token; bfloat16 -0.03%, int8 +0.24%."""
+    """float32's mean NLL is that of a trained model; each variant's is within 1% of it."""
     assert 2.5 < nll["float32"] < 4.5
     assert abs(nll[name] / nll["float32"] - 1) < 0.01
 

@@ -11,8 +11,8 @@ from minillm import KVCache, build_model, get_config
 from minillm.config import ModelConfig
 from minillm.memory import kv_bytes_per_token, prefill_bytes, streamed_weight_bytes
 from minillm.roofline import (RooflinePoint, matmul_flops, measure_bandwidth, measure_matmul_flops,
-                              median_time, prefill_share, ridge_point, roofline, roofline_time,
-                              time_decode_step, time_prefill)
+                              median_time, mixed_step_calls, prefill_share, ridge_point, roofline,
+                              roofline_time, time_decode_step, time_prefill)
 
 
 def fake_clock(readings):
@@ -73,11 +73,12 @@ def test_roofline_never_exceeds_either_roof(intensity, peak_flops, peak_bw):
     assert attainable == pytest.approx(min(peak_flops, intensity * peak_bw))
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True])
-def test_roofline_rejects_bad_peaks(bad):
-    with pytest.raises(ValueError, match="peak_flops"):
+@pytest.mark.parametrize("bad, kind", [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                                       (float("inf"), ValueError), (True, TypeError)])
+def test_roofline_rejects_bad_peaks(bad, kind):
+    with pytest.raises(kind, match="peak_flops"):
         roofline(1.0, bad, 1e9)
-    with pytest.raises(ValueError, match="peak_bw"):
+    with pytest.raises(kind, match="peak_bw"):
         ridge_point(1e9, bad)
 
 
@@ -218,3 +219,33 @@ def test_prefill_share_grows_with_the_prompt_and_the_batch():
     assert prefill_share(llama, 200, 1, **a100) == 1.0  # no decode step at all
     with pytest.raises(ValueError, match="batch_size=0"):
         prefill_share(llama, 200, 500, batch_size=0, **a100)
+
+
+def test_mixed_step_calls_feed_the_decode_rows_and_the_chunk(tiny):
+    model = RecordingModel(tiny)
+    calls = mixed_step_calls(model, decode_rows=3, context_len=10, chunk_lens=[5], block_size=4)
+    assert list(calls) == ["decode", "chunk 5", "fused 5"]
+    vocab = tiny.config.vocab_size
+    assert [tuple(calls[name]().shape) for name in calls] == [(3, vocab), (5, vocab), (8, vocab)]
+    assert model.calls == [((3, 1), [[9]] * 3),  # one token a row, at the 10th position
+                           ((1, 5), [[0, 1, 2, 3, 4]]),  # the chunk starts its prompt
+                           ((1, 8), [[9, 9, 9, 0, 1, 2, 3, 4]])]  # decode tokens, then the chunk
+
+
+def test_the_fused_call_computes_the_logits_of_its_parts(tiny):
+    calls = mixed_step_calls(tiny, decode_rows=2, context_len=7, chunk_lens=[5, 20], block_size=4)
+    for C in (5, 20):
+        parts = torch.cat([calls["decode"](), calls[f"chunk {C}"]()])  # (2 + C, vocab)
+        assert torch.allclose(calls[f"fused {C}"](), parts, rtol=1e-5, atol=1e-5)
+    assert torch.equal(calls["chunk 5"](), calls["chunk 5"]())  # every call repeats the same work
+    assert not torch.allclose(calls["chunk 5"](), calls["chunk 20"]()[:5])  # other random tokens
+
+
+@pytest.mark.parametrize("kwargs, message", [({"decode_rows": 0}, "decode_rows=0"),
+                                             ({"chunk_lens": []}, "chunk_lens=\\[\\]"),
+                                             ({"chunk_lens": [4, 0]}, "chunk_lens\\[1\\]=0"),
+                                             ({"context_len": 0}, "context_len=0")])
+def test_mixed_step_calls_reject_bad_sizes(tiny, kwargs, message):
+    args = dict(decode_rows=2, context_len=8, chunk_lens=[4]) | kwargs
+    with pytest.raises(ValueError, match=message):
+        mixed_step_calls(tiny, **args)

@@ -93,8 +93,9 @@ def test_a_table_may_hold_a_block_not_yet_written():
 
 @pytest.mark.parametrize("tables, lengths, error, match", [
     ({"A": [0]}, {"B": 1}, ValueError, "block_tables has requests"),
-    ({"A": [5]}, {"A": 1}, ValueError, r"block id 5 is outside \[0, 4\)"),
-    ({"A": [1, 1]}, {"A": 5}, ValueError, "lists a block twice"),
+    ({"A": [5]}, {"A": 1}, ValueError, r"request 'A' holds block 5, outside \[0, 4\)"),
+    ({"A": [True]}, {"A": 1}, ValueError, r"request 'A' holds block True, outside \[0, 4\)"),
+    ({"A": [1, 1]}, {"A": 5}, ValueError, r"request 'A' lists a block twice: \[1, 1\]"),
     ({"A": [0]}, {"A": 5}, ValueError, "holds 5 tokens but its 1 blocks of 4 hold at most 4"),
     ({"A": [0]}, {"A": -1}, ValueError, "must be >= 0"),
 ])

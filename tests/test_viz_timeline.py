@@ -27,7 +27,7 @@ def _texts(ax) -> list[str]:
 def test_marks_are_the_metrics_of_the_request():
     m = timeline_marks(REQUEST, admitted=0.3)
     assert m.arrival == 0.1 and m.admitted == 0.3
-    assert m.first_token == 0.5 and m.finish == 0.8
+    assert m.token_times[0] == 0.5 and m.finish == 0.8
     assert m.ttft == pytest.approx(0.4)
     assert m.e2e == pytest.approx(0.7)
     assert m.itls == pytest.approx((0.05, 0.15, 0.1))

@@ -51,8 +51,8 @@ class Scheduler:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
         check_int("max_batch_size", max_batch_size)
-        if max_num_batched_tokens is not None:
-            check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=max_batch_size)
+        # max_num_batched_tokens (None: no limit) is checked by Engine, which builds the Scheduler:
+        # an int >= max_batch_size, so that every running sequence's decode token fits in a step
         if max_prefill_chunk is not None:
             check_int("max_prefill_chunk", max_prefill_chunk)
         self.policy, self.max_batch_size, self.blocks = policy, max_batch_size, blocks

@@ -21,6 +21,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..engine import blocks_for
 from .checker import LearnerError, call, wrong_value
 
 EOS = 2  # the end-of-sequence token id of the simulated model
@@ -38,7 +39,6 @@ class Seq:
     arrival_step: int = 0
     output: list[int] = field(default_factory=list)  # token ids generated so far
     blocks: list[int] = field(default_factory=list)  # ids of the KV blocks it holds
-    preemptions: int = 0
     token_steps: list[int] = field(default_factory=list)  # the step of each output token
     finish_step: int | None = None
 
@@ -80,7 +80,6 @@ class SimResult:
     peak_batch: int = 0
     preemptions: int = 0
     running_per_step: list[int] = field(default_factory=list)
-    blocks_per_step: list[int] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -95,7 +94,7 @@ class SimResult:
 
 
 def _need(seq: Seq, block_size: int) -> int:
-    return max(0, -(-seq.num_tokens // block_size) - len(seq.blocks))
+    return max(0, blocks_for(seq.num_tokens, block_size) - len(seq.blocks))
 
 
 def _members(name: str, chosen, pool: list[Seq]) -> list[Seq]:
@@ -150,7 +149,6 @@ def simulate(specs: list[Spec], admit, finished, preempt, num_blocks: int, block
             for victim in victims:  # newest first: the oldest victim ends up at the front of the queue
                 running.remove(victim)
                 release(victim)
-                victim.preemptions += 1
                 waiting.appendleft(victim)
             preempted, result.preemptions = bool(victims), result.preemptions + len(victims)
             short = sum(_need(s, block_size) for s in running) - len(free)
@@ -184,7 +182,6 @@ def simulate(specs: list[Spec], admit, finished, preempt, num_blocks: int, block
         result.peak_blocks = max(result.peak_blocks, num_blocks - len(free))
         result.peak_batch = max(result.peak_batch, len(running))
         result.running_per_step.append(len(running))
-        result.blocks_per_step.append(num_blocks - len(free))
         for s in running:
             s.output.append(EOS if s.eos_at == len(s.output) + 1 else 100 + len(s.output))
             s.token_steps.append(step)

@@ -7,7 +7,8 @@ import textwrap
 import torch
 
 from ..model import build_model
-from .checker import WIDTH, Mismatch
+from ..notebook import WIDTH
+from .checker import Mismatch
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:

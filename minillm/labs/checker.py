@@ -8,6 +8,7 @@ traceback from deep inside the library. Each property scores one point.
 from __future__ import annotations
 
 import linecache
+import numbers
 import os
 import sysconfig
 import textwrap
@@ -16,7 +17,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
-WIDTH = 90  # characters, as minillm.notebook.WIDTH
+import torch
+
+from ..notebook import WIDTH
+
 NOT_WRITTEN = "not written yet: it still raises NotImplementedError"
 
 
@@ -160,8 +164,6 @@ def call(function: Callable, *args, **kwargs):
 
 def describe(value) -> str:
     """A short description of a value's type (and shape), for messages."""
-    import torch
-
     if isinstance(value, torch.Tensor):
         return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
     if value is None:
@@ -181,8 +183,6 @@ def wrong_value(name: str, value, expected: str, what: str = "returned") -> "Lea
 
 def expect_tensor(name: str, value, shape: tuple[int, ...], floating: bool = True, what: str = "returned"):
     """``value`` if it is a tensor of ``shape``; else a LearnerError saying what was expected."""
-    import torch
-
     if not isinstance(value, torch.Tensor):
         raise wrong_value(name, value, f"a torch.Tensor of shape {shape}", what)
     if tuple(value.shape) != tuple(shape):
@@ -195,10 +195,6 @@ def expect_tensor(name: str, value, shape: tuple[int, ...], floating: bool = Tru
 
 def expect_number(name: str, value, integer: bool = False):
     """``value`` as a float (or int) if it is a plain number (a 0-d tensor is accepted)."""
-    import numbers
-
-    import torch
-
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -235,8 +231,6 @@ def function_names(lab: str | None = None) -> list[str]:
 def _one_thread():
     """The hidden cases use small tensors: one thread is faster than several, and far steadier on a
     shared machine (intra-op threads wait for each other)."""
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

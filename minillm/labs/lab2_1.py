@@ -16,8 +16,7 @@ from ..generate import generate
 from ..model import RotaryEmbedding, apply_rotary, causal_mask
 from ..sampling import SamplingParams, filtered_probs
 from .cases import assert_close, encode_prompt, randint, randn, show_text, tiny_model
-from .checker import (LearnerError, Mismatch, Property, Task, call, expect_tensor, ready,
-                      register)
+from .checker import LearnerError, Mismatch, Property, Task, call, expect_tensor, register
 
 BHTD = ("row", "head", "position", "element")
 
@@ -241,16 +240,19 @@ def learner_attention(model, apply_rope, causal_attention):
 
 
 @torch.inference_mode()
+def _same_logits(fns, run, what, dims=("row", "step", "token")):
+    """``run()``, the tiny model's logits, with the learner's attention equals it with minillm's."""
+    expected = run()
+    with learner_attention(tiny_model(), fns["apply_rope"], fns["causal_attention"]):
+        got = run()
+    assert_close(got, expected, what, atol=1e-3, dims=dims)
+
+
 def _model_no_cache(fns):
-    model = tiny_model()
-    ids = randint(256, (2, 10), seed=90)
-    expected = model(ids)
-    with learner_attention(model, fns["apply_rope"], fns["causal_attention"]):
-        got = model(ids)
-    assert_close(got, expected, "the tiny model's logits", atol=1e-3, dims=("row", "position", "token"))
+    model, ids = tiny_model(), randint(256, (2, 10), seed=90)
+    _same_logits(fns, lambda: model(ids), "the tiny model's logits", dims=("row", "position", "token"))
 
 
-@torch.inference_mode()
 def _model_cached(fns):
     model = tiny_model()
     ids = randint(256, (1, 12), seed=91)
@@ -262,14 +264,9 @@ def _model_cached(fns):
             logits.append(model(ids[:, t:t + 1], cache=cache)[:, -1])
         return torch.stack(logits, 1)  # (1, 4, vocab)
 
-    expected = run()
-    with learner_attention(model, fns["apply_rope"], fns["causal_attention"]):
-        got = run()
-    assert_close(got, expected, "the logits of a prefill and three cached decode steps", atol=1e-3,
-                 dims=("row", "step", "token"))
+    _same_logits(fns, run, "the logits of a prefill and three cached decode steps")
 
 
-@torch.inference_mode()
 def _model_ragged(fns):
     model = tiny_model()
     ids = randint(256, (2, 8), seed=92)
@@ -286,11 +283,7 @@ def _model_ragged(fns):
             positions += 1
         return torch.stack(steps, 1)  # (2, 3, vocab)
 
-    expected = run()
-    with learner_attention(model, fns["apply_rope"], fns["causal_attention"]):
-        got = run()
-    assert_close(got, expected, "the logits of rows decoding at positions 5 and 8", atol=1e-3,
-                 dims=("row", "step", "token"))
+    _same_logits(fns, run, "the logits of rows decoding at positions 5 and 8")
 
 
 MODEL = Task("attention inside the tiny model", "2.1", ("apply_rope", "causal_attention"), (
@@ -415,9 +408,8 @@ def write_text(model, tokenizer, apply_rope, causal_attention, next_token_probs,
                max_new_tokens: int = 24, temperature: float = 0.8, top_k: int = 50, top_p: float = 0.9,
                seed: int = 0) -> None:
     """The model answers ``prompt`` with the learner's attention (greedy, then sampled with the learner's
-    ``next_token_probs``), next to its greedy answer with minillm's attention."""
-    if not ready(apply_rope, causal_attention, next_token_probs):
-        return
+    ``next_token_probs``), next to its greedy answer with minillm's attention. Call it once ``ready``
+    passes for the three functions."""
     ids, eos = encode_prompt(tokenizer, prompt), tokenizer.eos_token_id
     reference = generate(model, ids, max_new_tokens, eos_token_id=eos)
     generator = torch.Generator(device=model.device).manual_seed(seed)

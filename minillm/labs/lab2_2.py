@@ -1,13 +1,14 @@
 """Lab 2.2: a KV cache written by position and read for rows of different lengths, and its bytes.
 
-The learner writes ``write_kv``, ``read_kv`` and ``kv_cache_bytes``. ``LearnerCache`` wraps the first two
-in the model's cache protocol (``lengths``, ``check_room``, ``update``, ``commit``), so the learner's cache
-runs inside any ``CausalLM``; ``compare_generation`` is the lab's payoff.
+The learner writes ``write_kv``, ``read_kv`` and ``kv_cache_bytes``. ``LearnerCache``, a ``KVCache``
+that writes and reads through the first two, runs the learner's cache inside any ``CausalLM``;
+``compare_generation`` is the lab's payoff.
 """
 from __future__ import annotations
 
 import torch
 
+from ..cache import KVCache
 from ..config import ModelConfig, get_config
 from ..generate import generate
 from ..memory import kv_cache_bytes as reference_kv_bytes
@@ -144,26 +145,14 @@ READ = Task("read_kv", "2.2", ("read_kv",), (
 
 # --- both, inside a real model -------------------------------------------------------------------------
 
-class LearnerCache:
-    """The model's cache protocol over the learner's ``write_kv`` and ``read_kv``: one K and one V tensor
-    per layer, (B, n_kv_heads, max_len, head_dim), allocated once."""
+class LearnerCache(KVCache):
+    """minillm's ``KVCache`` whose ``update`` writes and reads through the learner's ``write_kv`` and
+    ``read_kv``."""
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, write_kv, read_kv,
                  device="cpu", dtype=torch.float32):
-        shape = (batch_size, config.n_kv_heads, max_len, config.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
-        self.max_len, self.write_kv, self.read_kv = max_len, write_kv, read_kv
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def check_room(self, positions: torch.Tensor) -> None:
-        if int(positions.max()) >= self.max_len:
-            raise ValueError(f"position {int(positions.max())} does not fit in the cache "
-                             f"(max_len={self.max_len})")
+        super().__init__(config, batch_size, max_len, device, dtype)
+        self.write_kv, self.read_kv = write_kv, read_kv
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Write k, v (B, Hkv, T, D) at positions (B, T); read every row up to its new length."""
@@ -177,9 +166,6 @@ class LearnerCache:
         expect_tensor("read_kv", keys, (B, H, S, D), what="returned as kv")
         expect_tensor("read_kv", values, (B, H, S, D), what="returned as kv")
         return keys, values
-
-    def commit(self, positions: torch.Tensor) -> None:
-        self.lengths = positions[:, -1] + 1
 
 
 @torch.inference_mode()
@@ -319,9 +305,8 @@ def compare_generation(model, tokenizer, write_kv, read_kv, kv_cache_bytes, prom
                        max_new_tokens: int = 16, chat: bool = False) -> None:
     """Every prompt at once through the learner's cache, against naive generation row by row; then the
     cache's bytes against the learner's formula and minillm's. ``chat``: wrap the prompts in the chat
-    template (longer prompts: the naive path recomputes them at every step)."""
-    if not ready(write_kv, read_kv, kv_cache_bytes):
-        return
+    template (longer prompts: the naive path recomputes them at every step). Call it once ``ready``
+    passes for the three functions."""
     ids = [encode_prompt(tokenizer, p, chat) for p in prompts]
     eos = tokenizer.eos_token_id
     cached, cache = batched_generate(model, ids, max_new_tokens, write_kv, read_kv, eos)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from .batching import EOS, Seq, SimResult, Spec, simulate
+from .batching import EOS, Seq, SimResult, Spec, _members, simulate
 from .checker import Mismatch, Property, Task, call, ready, register, wrong_value
 
 BLOCK = 4  # tokens per block in the hand-made cases
@@ -75,10 +75,8 @@ FINISHED = Task("finished", "2.3", ("finished",), (
 # --- admit -----------------------------------------------------------------------------------------------
 
 def _admit(fns, waiting, running, free, max_batch):
-    chosen = call(fns["admit"], list(waiting), list(running), free, BLOCK, max_batch)
-    if not isinstance(chosen, (list, tuple)) or not all(isinstance(s, Seq) for s in chosen):
-        raise wrong_value("admit", chosen, "a list of sequences from waiting")
-    return chosen
+    return _members("admit", call(fns["admit"], list(waiting), list(running), free, BLOCK, max_batch),
+                    waiting)
 
 
 def _admit_case(waiting, running, free, max_batch, expected, what):
@@ -131,9 +129,7 @@ ADMIT = Task("admit", "2.3", ("admit",), (
 def _preempt_case(running, free, expected, what):
     def run(fns):
         seqs = running()
-        victims = call(fns["preempt"], list(seqs), free, BLOCK)
-        if not isinstance(victims, (list, tuple)) or not all(isinstance(s, Seq) for s in victims):
-            raise wrong_value("preempt", victims, "a list of running sequences")
+        victims = _members("preempt", call(fns["preempt"], list(seqs), free, BLOCK), seqs)
         if _ids(victims) != expected:
             raise Mismatch(f"{what}: preempt chose requests {_ids(victims)}")
     return run

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import math
 import statistics
-import textwrap
 
 from ..memory import plan_capacity
 from ..metrics import SLO, RequestTiming, e2e_latency, plan_for_slo, serving_metrics
 from ..metrics import itls as reference_itls
 from ..metrics import tpot as reference_tpot
 from ..metrics import ttft as reference_ttft
-from .checker import (WIDTH, LearnerError, Mismatch, Property, Task, call, expect_number, ready,
-                      register, wrong_value)
+from .cases import show_text
+from .checker import LearnerError, Mismatch, Property, Task, call, expect_number, register, wrong_value
 
 
 def _r(arrival: float, *times: float, prompt_len: int = 10) -> RequestTiming:
@@ -245,15 +244,10 @@ register(TTFT, TPOT, ITL, E2E, THROUGHPUT, GOODPUT, PLAN)
 
 # --- the payoff ------------------------------------------------------------------------------------------
 
-METRIC_FUNCTIONS = ("ttft", "tpot", "itls", "e2e", "throughput", "goodput")
-
-
 def compare_metrics(records, duration: float, ttft_slo: float, tpot_slo: float, ttft, tpot, itls, e2e,
-                    throughput, goodput) -> dict[str, float] | None:
+                    throughput, goodput) -> dict[str, float]:
     """The learner's metrics of a measured run next to minillm.metrics (ms and per second); the learner's
-    numbers by name (None until the functions pass their checks)."""
-    if not ready(ttft, tpot, itls, e2e, throughput, goodput):
-        return None
+    numbers by name. Call it once ``ready`` passes for the six functions."""
     ref = serving_metrics(records, duration=duration, slo=SLO(ttft=ttft_slo, tpot=tpot_slo))
     done = [r for r in records if r.token_times]
     tpots = [v for v in (call(tpot, r) for r in done) if v is not None]
@@ -281,10 +275,9 @@ def compare_metrics(records, duration: float, ttft_slo: float, tpot_slo: float, 
 
 
 def compare_plan(devices_needed, concurrency: int, tpot_slo: float, decode_tokens_per_s: float,
-                 kv_bytes_per_request: int, kv_bytes_per_device: int) -> int | None:
-    """The learner's capacity plan next to minillm's (plan_for_slo and plan_capacity)."""
-    if not ready(devices_needed):
-        return None
+                 kv_bytes_per_request: int, kv_bytes_per_device: int) -> int:
+    """The learner's capacity plan next to minillm's (plan_for_slo and plan_capacity). Call it once
+    ``ready(devices_needed)`` passes."""
     args = (concurrency, tpot_slo, decode_tokens_per_s, kv_bytes_per_request, kv_bytes_per_device)
     yours, reference = call(devices_needed, *args), _reference_devices(*args)
     by_rate = decode_tokens_per_s * tpot_slo
@@ -296,7 +289,6 @@ def compare_plan(devices_needed, concurrency: int, tpot_slo: float, decode_token
     print(f"    devices: yours {yours}, minillm's {reference}; "
           f"{'memory' if by_memory < by_rate else 'the decode rate'} decides")
     if by_rate < 1:
-        print(textwrap.fill("but a device that keeps less than one stream cannot meet the TPOT objective "
-                            "even for one stream, so no number of such devices can: the plan needs faster "
-                            "devices", WIDTH, initial_indent="    ", subsequent_indent="    "))
+        show_text("    ", "but a device that keeps less than one stream cannot meet the TPOT objective even "
+                  "for one stream, so no number of such devices can: the plan needs faster devices")
     return yours

@@ -55,11 +55,11 @@ def functions_from_notebook(path: str | Path) -> tuple[dict, list[str]]:
     return {k: v for k, v in namespace.items() if k in known and callable(v)}, problems
 
 
-def grade_notebook(path: str | Path, lab: str | None = None) -> tuple[list[Report], list[str]]:
+def grade_notebook(path: str | Path) -> tuple[list[Report], list[str]]:
     """Every task of the notebook's lab (a task whose functions are missing scores 0), and the problems
     met while running its cells."""
     functions, problems = functions_from_notebook(path)
-    labs = {lab} if lab else {t.lab for t in TASKS.values() if set(t.needs) & set(functions)}
+    labs = {t.lab for t in TASKS.values() if set(t.needs) & set(functions)}
     reports = []
     for task in (t for name in sorted(labs) for t in lab_tasks(name)):
         missing = [n for n in task.needs if n not in functions]

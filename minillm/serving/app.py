@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 
-from ..demo import TextStream
+from ..detokenize import TextStream
 from ..engine import Engine, Request
 from .loop import EngineLoop
 from .protocol import (FINISH_REASONS, ApiError, ChatCompletionRequest, CompletionRequest, SamplingRequest, Shape,

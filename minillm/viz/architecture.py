@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..checks import check_int
 from ..config import ModelConfig
+from . import axes_or_new
 
 PART_COLORS = {"io": "0.92", "attention": "#c6dbef", "mlp": "#fdd0a2", "norm": "#e5e5e5",
                "cache": "#c7e9c0"}  # the residual additions are drawn as circles
@@ -93,14 +94,6 @@ def format_shape(shape: tuple[Dim, ...]) -> str:
     return "(" + ", ".join(f"{s:,}" if isinstance(s, int) else s for s in shape) + ")"
 
 
-def _axes(ax, figsize):
-    if ax is not None:
-        return ax
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(figsize=figsize)[1]
-
-
 def _clean(ax) -> None:
     ax.set_xticks([])
     ax.set_yticks([])
@@ -118,7 +111,7 @@ def draw_decoder_block(config: ModelConfig, name: str = "the model", ax=None, ti
     from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch
 
     rows = forward_stages(config)
-    ax = _axes(ax, (7.5, 0.46 * len(rows) + 1.2))
+    ax = axes_or_new(ax, (7.5, 0.46 * len(rows) + 1.2))
     row_h, box_h, left, right, shape_x = 1.0, 0.62, 1.3, 6.3, 6.75
     first, last = BLOCK_ROWS
 
@@ -228,7 +221,7 @@ def draw_prefill_decode(config: ModelConfig, prompt_len: int, weight: str = "q_p
     min_h, label_h, header_h = 0.04 * inch, 0.32 * inch, 0.62 * inch
     heights = {phase: max(m.rows, min_h, m.d_in) for phase, m in phases.items()}
     total = sum(heights.values()) + 2 * (label_h + header_h)
-    ax = _axes(ax, (7.5, total / inch + 0.45))
+    ax = axes_or_new(ax, (7.5, total / inch + 0.45))
     colors = {"X": "#fdd0a2", "W": "#c6dbef", "Y": "#c7e9c0"}
     top = 0.0
     for phase in ("prefill", "decode"):

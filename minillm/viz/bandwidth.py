@@ -7,23 +7,26 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..checks import check_number
 
-def _check_positive(name: str, value) -> None:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or not 0 < value < np.inf:
-        raise ValueError(f"{name}={value!r} must be a finite number > 0")
+
+def _check_measured(label: str, pairs: dict[str, tuple[float, float]], units: tuple[str, str],
+                    bandwidth: float) -> None:
+    """``pairs`` (name -> two numbers, named ``units``) is not empty, and each number and
+    ``bandwidth`` are finite and > 0."""
+    if not pairs:
+        raise ValueError(f"{label} is empty; give at least one ({units[0]}, {units[1]})")
+    check_number("bandwidth", bandwidth)
+    for name, (first, second) in pairs.items():
+        check_number(f"{name} {units[0]}", first)
+        check_number(f"{name} {units[1]}", second)
 
 
 def plot_bandwidth_law(ax, points: dict[str, tuple[float, float]], bandwidth: float,
                        title: str = "Decode speed follows the bytes per step") -> None:
     """``points``: variant -> (bytes per step, tokens/s). Draws each variant and the bound
     tokens/s = bandwidth / bytes, on log-log axes (MB and tokens/s)."""
-    if not points:
-        raise ValueError("points is empty; give at least one (bytes per step, tokens/s)")
-    _check_positive("bandwidth", bandwidth)
-    for name, (step_bytes, speed) in points.items():
-        _check_positive(f"{name} bytes per step", step_bytes)
-        _check_positive(f"{name} tokens/s", speed)
+    _check_measured("points", points, ("bytes per step", "tokens/s"), bandwidth)
     sizes = np.array([b for b, _ in points.values()], dtype=float)
     span = np.geomspace(sizes.min() / 2, sizes.max() * 2, 50)  # bytes
     ax.plot(span / 1e6, bandwidth / span, "k--", lw=1.2,
@@ -40,12 +43,7 @@ def plot_kernel_bandwidth(ax, kernels: dict[str, tuple[float, float]], bandwidth
                           title: str = "One weight, read at different speeds") -> None:
     """``kernels``: name -> (bytes of the weight it reads, seconds per call). Bars of the
     achieved bandwidth (bytes / seconds, GB/s), the copy bandwidth as a dashed line."""
-    if not kernels:
-        raise ValueError("kernels is empty; give at least one (bytes, seconds)")
-    _check_positive("bandwidth", bandwidth)
-    for name, (n_bytes, seconds) in kernels.items():
-        _check_positive(f"{name} bytes", n_bytes)
-        _check_positive(f"{name} seconds", seconds)
+    _check_measured("kernels", kernels, ("bytes", "seconds"), bandwidth)
     names = list(kernels)[::-1]  # the first kernel on top
     achieved = [kernels[n][0] / kernels[n][1] / 1e9 for n in names]
     ax.barh(names, achieved, color="#6baed6")

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..checks import check_int
-from .kv import REQUEST_COLORS
+from . import axes_or_new
+from .kv import REQUEST_COLORS, check_block_table
 
 COLORS = {"prefill": "tab:orange", "decode": "tab:blue", "padding": "0.8"}
 
@@ -56,7 +57,7 @@ def token_steps(result) -> dict:
     return found
 
 
-def _busy_runs(steps: list[int]) -> list[tuple[int, int]]:
+def _runs(steps: list[int]) -> list[tuple[int, int]]:
     """Maximal runs of consecutive step indices: [3, 4, 5, 9, 10] -> [(3, 5), (9, 10)]."""
     runs = []
     for s in steps:
@@ -74,7 +75,7 @@ def slot_spans(result, n_slots: int) -> list[SlotSpan]:
     padding spans ``n_padding`` (a mismatch raises ValueError), and at most ``n_slots`` are held.
     """
     check_int("n_slots", n_slots)
-    busy = [(rid, a, b) for rid, steps in token_steps(result).items() for a, b in _busy_runs(steps)]
+    busy = [(rid, a, b) for rid, steps in token_steps(result).items() for a, b in _runs(steps)]
     n_padding = [step.n_padding for step in result.steps]
     if any(n_padding):  # static: a finished row stays until the last member of its batch ends
         batch_end = {}
@@ -122,10 +123,7 @@ def draw_batching_timeline(result, n_slots: int, ax=None, title: str | None = No
     "padding"); a request that holds a slot for 12 steps or more is labelled with its id.
     """
     spans = slot_spans(result, n_slots)
-    if ax is None:
-        import matplotlib.pyplot as plt
-
-        ax = plt.subplots(figsize=(7.5, 3.2))[1]
+    ax = axes_or_new(ax, (7.5, 3.2))
     bars = {"prefill": [], "decode": [], "padding": []}
     for span in spans:
         if span.kind == "padding":
@@ -192,12 +190,8 @@ def pool_owners(tables: Sequence[Mapping[str, Sequence[int]]], num_blocks: int) 
     for i, step in enumerate(tables):
         row = [None] * num_blocks
         for name, table in step.items():
-            if len(set(table)) != len(table):
-                raise ValueError(f"step {i}: request {name!r} lists a block twice: {list(table)}")
+            check_block_table(f"step {i}: request {name!r}", table, num_blocks)
             for block in table:
-                if not isinstance(block, int) or not 0 <= block < num_blocks:
-                    raise ValueError(f"step {i}: request {name!r} holds block {block!r}, outside "
-                                     f"[0, {num_blocks})")
                 row[block] = name if row[block] is None else SHARED
         owners.append(row)
     return owners
@@ -219,22 +213,14 @@ def draw_pool_timeline(tables: Sequence[Mapping[str, Sequence[int]]], num_blocks
     names = list(dict.fromkeys(name for step in tables for name in step))
     colors = {name: REQUEST_COLORS[i % len(REQUEST_COLORS)] for i, name in enumerate(names)}
     colors[SHARED] = "0.3"
-    if ax is None:
-        import matplotlib.pyplot as plt
-
-        ax = plt.subplots(figsize=(7.5, 3.6))[1]
+    ax = axes_or_new(ax, (7.5, 3.6))
     for block in range(num_blocks):
-        runs: dict[str, list[tuple[int, int]]] = {}
+        held: dict[str, list[int]] = {}  # holder -> the steps after which it holds this block
         for step, row in enumerate(owners):
-            holder = row[block]
-            if holder is None:
-                continue
-            spans = runs.setdefault(holder, [])
-            if spans and spans[-1][0] + spans[-1][1] == step:
-                spans[-1] = (spans[-1][0], spans[-1][1] + 1)
-            else:
-                spans.append((step, 1))
-        for holder, spans in runs.items():
+            if row[block] is not None:
+                held.setdefault(row[block], []).append(step)
+        for holder, steps in held.items():
+            spans = [(a, b - a + 1) for a, b in _runs(steps)]  # (first step, n steps)
             ax.broken_barh(spans, (block - 0.4, 0.8), facecolors=colors[holder]).set_gid(
                 f"hold-{holder}-{block}")
     shown = names + ([SHARED] if any(SHARED in row for row in owners) else [])

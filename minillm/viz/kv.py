@@ -9,20 +9,13 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from ..checks import check_int
+from . import axes_or_new
 
 STATE_COLORS = {"read": "tab:blue", "written": "tab:orange", "empty": "0.93"}
 STATE_LABELS = {"read": "read (written earlier)", "written": "written now, then read",
                 "empty": "allocated, still empty"}
 REQUEST_COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink",
                   "tab:olive", "tab:cyan"]
-
-
-def _axes(ax, figsize):
-    if ax is not None:
-        return ax
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(figsize=figsize)[1]
 
 
 # --- a contiguous cache over decode steps ---------------------------------------------------------
@@ -70,7 +63,7 @@ def draw_kv_growth(lengths: Sequence[int], max_len: int, tokens: Sequence[str] |
         raise ValueError(f"{len(tokens)} token labels for max_len={max_len} positions")
     if bytes_per_token is not None:
         check_int("bytes_per_token", bytes_per_token)
-    ax = _axes(ax, (7.5, 1.9 + 0.42 * len(rows)))
+    ax = axes_or_new(ax, (7.5, 1.9 + 0.42 * len(rows)))
     for r, states in enumerate(rows):
         for p, state in enumerate(states):
             ax.add_patch(Rectangle((p + 0.05, r + 0.08), 0.9, 0.84, facecolor=STATE_COLORS[state],
@@ -111,6 +104,15 @@ def draw_kv_growth(lengths: Sequence[int], max_len: int, tokens: Sequence[str] |
 
 # --- a paged pool and its block tables ------------------------------------------------------------
 
+def check_block_table(owner: str, table: Sequence[int], num_blocks: int) -> None:
+    """``table`` lists distinct block ids in ``[0, num_blocks)``; errors start with ``owner``."""
+    if len(set(table)) != len(table):
+        raise ValueError(f"{owner} lists a block twice: {list(table)}")
+    for block in table:
+        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < num_blocks:
+            raise ValueError(f"{owner} holds block {block!r}, outside [0, {num_blocks})")
+
+
 def physical_blocks(block_tables: Mapping[str, Sequence[int]], lengths: Mapping[str, int],
                     num_blocks: int, block_size: int) -> list[tuple[list[tuple[str, int]], int]]:
     """For each physical block id: its owners ``[(request, logical index), ...]`` and the tokens it holds.
@@ -129,11 +131,8 @@ def physical_blocks(block_tables: Mapping[str, Sequence[int]], lengths: Mapping[
         if n > len(table) * block_size:
             raise ValueError(f"request {name!r} holds {n} tokens but its {len(table)} blocks of "
                              f"{block_size} hold at most {len(table) * block_size}")
-        if len(set(table)) != len(table):
-            raise ValueError(f"request {name!r} lists a block twice: {list(table)}")
+        check_block_table(f"request {name!r}", table, num_blocks)
         for j, block in enumerate(table):
-            if not isinstance(block, int) or not 0 <= block < num_blocks:
-                raise ValueError(f"request {name!r}: block id {block!r} is outside [0, {num_blocks})")
             owners, held = blocks[block]
             owners.append((name, j))
             blocks[block] = (owners, max(held, min(block_size, n - j * block_size)))
@@ -165,7 +164,7 @@ def draw_block_tables(block_tables: Mapping[str, Sequence[int]], lengths: Mappin
 
     n_logical = sum(len(t) for t in block_tables.values())
     width = max(num_blocks * step, n_logical * step + group_gap * (len(block_tables) - 1))
-    ax = _axes(ax, (7.5, 3.7))
+    ax = axes_or_new(ax, (7.5, 3.7))
     for b, (owners, held) in enumerate(blocks):
         color = colors[owners[0][0]] if owners else "white"
         draw_block(b * step, pool_y, held, color, f"block-{b}")

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .. import metrics
+from . import axes_or_new
 
 MS = 1e3  # milliseconds per second
 COLORS = {"queue": "0.75", "prefill": "tab:orange", "decode": "tab:blue", "arrival": "tab:green"}
@@ -28,10 +29,6 @@ class TimelineMarks:
     e2e: float
 
     @property
-    def first_token(self) -> float:
-        return self.token_times[0]
-
-    @property
     def finish(self) -> float:
         return self.token_times[-1]
 
@@ -45,14 +42,6 @@ def timeline_marks(request, admitted: float | None = None) -> TimelineMarks:
                          f"first token ({times[0]} s)")
     return TimelineMarks(arrival, admitted, times, ttft, metrics.tpot(request),
                          tuple(metrics.itls(request)), metrics.e2e_latency(request))
-
-
-def _axes(ax, figsize):
-    if ax is not None:
-        return ax
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(figsize=figsize)[1]
 
 
 def _pad_left(ax, start: float, end: float) -> None:
@@ -81,7 +70,7 @@ def draw_request(request, ax=None, admitted: float | None = None,
     n = len(m.token_times)
     if token_labels is not None and len(token_labels) != n:
         raise ValueError(f"{len(token_labels)} token labels for {n} tokens; give one per token")
-    ax = _axes(ax, (7.5, 3.9))
+    ax = axes_or_new(ax, (7.5, 3.9))
     x = [t * MS for t in m.token_times]
     x_arrival = m.arrival * MS
     start = x_arrival if m.admitted is None else m.admitted * MS
@@ -122,7 +111,7 @@ def draw_requests(requests: Sequence, ax=None, title: str | None = None):
     marks = [timeline_marks(r) for r in requests]
     if not marks:
         raise ValueError("draw_requests needs at least one request")
-    ax = _axes(ax, (7.5, 1.2 + 0.45 * len(marks)))
+    ax = axes_or_new(ax, (7.5, 1.2 + 0.45 * len(marks)))
     for i, m in enumerate(marks):
         x = [t * MS for t in m.token_times]
         first = i == 0

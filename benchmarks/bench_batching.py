@@ -8,7 +8,7 @@ Workloads (random token ids, ``ignore_eos``, so every request produces exactly i
   3. workload 1 again under Poisson arrivals at 80% of the rate continuous batching sustained in 1.
 Throughput = output tokens / wall time of the run (idle gaps between arrivals included: the engine
 jumps over them instead of sleeping, and adds them to the clock). TTFT and TPOT are per request
-(minillm.metrics, vLLM's definitions); p50 = median. One run each, on one machine, in one process.
+(minillm.analysis.metrics, vLLM's definitions); p50 = median. One run each, on one machine, in one process.
 Both policies run the engine's default steps: mixed (decode rows and prefill chunks in one model call)
 under a budget of 2048 tokens, which splits prompts only when one step's admissions exceed it
 (bench_engine.py compares the step modes).
@@ -26,10 +26,10 @@ import argparse
 import torch
 
 from minillm import build_model
+from minillm.analysis.metrics import serving_metrics
+from minillm.book.notebook import pick_device
 from minillm.engine import Engine
-from minillm.metrics import serving_metrics
-from minillm.notebook import pick_device
-from minillm.workload import poisson_arrivals, random_requests
+from minillm.engine.workload import poisson_arrivals, random_requests
 
 
 def measure(model, requests, policy, max_batch_size):

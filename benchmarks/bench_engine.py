@@ -16,7 +16,7 @@
 Runs of 1 and 2 alternate between the compared settings (A, B, A, B, ...), so a busy machine slows
 both alike; each metric is the median over the repeats. Greedy tokens must be identical between the
 compared settings (exit status 1 otherwise); in 3 the fused call's logits must match the separate
-calls'. Metrics are minillm.metrics (vLLM's definitions); ITL percentiles pool every gap of every request.
+calls'. Metrics are minillm.analysis.metrics (vLLM's definitions); ITL percentiles pool every gap of every request.
 """
 from __future__ import annotations
 
@@ -29,11 +29,11 @@ import time
 import torch
 
 from minillm import build_model, load_pretrained, now
+from minillm.analysis.metrics import serving_metrics
+from minillm.book.instruments import mixed_step_calls
+from minillm.book.notebook import pick_device
 from minillm.engine import Engine, Request
 from minillm.engine.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from minillm.metrics import serving_metrics
-from minillm.notebook import pick_device
-from minillm.roofline import mixed_step_calls
 
 STALL = dict(n=64, users=16, every=8, short_prompt=(16, 64), short_output=(32, 96), long_prompt=(1024, 1536),
              long_output=(8, 16), budget=256, chunk=128)

@@ -15,11 +15,11 @@ import statistics
 
 import torch
 import transformers
+from timed_runs import check_identical, compare_with_transformers, interleaved, run_minillm, tokens_per_s
 
 from minillm import build_model, get_config
-from minillm.memory import bandwidth_bound_steps_per_s, streamed_weight_bytes
-from minillm.roofline import measure_bandwidth
-from timed_runs import check_identical, compare_with_transformers, interleaved, run_minillm, tokens_per_s
+from minillm.analysis.arithmetic import bandwidth_bound_steps_per_s, streamed_weight_bytes
+from minillm.analysis.roofline import measure_bandwidth
 
 PROMPT_LEN = 16
 FULL = dict(lengths=(64, 128, 256, 512, 1024), bucket=128, hf_tokens=256)
@@ -47,8 +47,8 @@ def naive_vs_cached(model, prompt, lengths, bucket, repeats) -> None:
     print(f"{'new tokens':>10} | {'naive tok/s':>11} | {'cached tok/s':>12} | {'cached/naive':>12} | "
           f"{'CPU-time ratio':>14} | identical tokens")
     for n in lengths:
-        results = interleaved(repeats, {"naive": lambda: run_minillm(model, prompt, n, False),
-                                        "cached": lambda: run_minillm(model, prompt, n, True)})
+        results = interleaved(repeats, {"naive": lambda n=n: run_minillm(model, prompt, n, False),
+                                        "cached": lambda n=n: run_minillm(model, prompt, n, True)})
         same = check_identical(results, f"{n} new tokens")
         naive, cached = (tokens_per_s(n, results[k], "wall") for k in ("naive", "cached"))
         cpu_ratio = tokens_per_s(n, results["cached"], "cpu") / tokens_per_s(n, results["naive"], "cpu")

@@ -25,17 +25,17 @@ import time
 import torch
 import torch.nn.functional as F
 import transformers
+from timed_runs import Run, check_identical, interleaved, run_transformers, timed, tokens_per_s
 
 import minillm
 from minillm import build_model, generate, get_config
-from minillm.compiled import StaticDecoder
-from minillm.hf import to_transformers
-from minillm.memory import bandwidth_utilisation, kv_cache_bytes
-from minillm.pretrained import gguf_checkpoint
-from minillm.quant import (EVAL_TEXT, dequantize_int8, greedy_match, make_variant, mean_nll, quantize_int8,
-                           streamed_bytes)
-from minillm.roofline import measure_bandwidth, median_time
-from timed_runs import Run, check_identical, interleaved, run_transformers, timed, tokens_per_s
+from minillm.analysis.arithmetic import bandwidth_utilisation, kv_cache_bytes
+from minillm.analysis.roofline import measure_bandwidth, median_time
+from minillm.book.data import EVAL_TEXT
+from minillm.checkpoints.hf import to_transformers
+from minillm.checkpoints.pretrained import gguf_checkpoint
+from minillm.fast.compiled import StaticDecoder
+from minillm.fast.quant import dequantize_int8, greedy_match, make_variant, mean_nll, quantize_int8, streamed_bytes
 
 VARIANTS = ("float32", "bfloat16-linear", "bfloat16", "int8", "int8-dequant")
 PROMPT = "Explain in detail how a refrigerator keeps food cold."
@@ -43,7 +43,7 @@ TARGET_SPEEDUP = {"int8": 2.5, "bfloat16": 1.4}  # tokens/s over float32
 TARGET_PPL_RISE = 0.02  # perplexity within 2% of float32
 TARGET_UTILISATION = 0.60  # best variant, of the measured copy bandwidth
 TARGET_COMPILED_OVER_HF = 1.5
-COMPILED = "int8 + compiled step"  # the int8 model through minillm.compiled.StaticDecoder
+COMPILED = "int8 + compiled step"  # the int8 model through minillm.fast.compiled.StaticDecoder
 NO_AVX512_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 

@@ -1,11 +1,11 @@
 """Generation speed on a trained model, SmolLM2-135M-Instruct, measured side by side in one run.
 
 a. minillm cached decode vs ``transformers.LlamaForCausalLM.generate`` on the same weights (minillm's,
-   copied with ``minillm.hf.to_transformers``, attention "sdpa" in both): tokens/s and their ratio.
+   copied with ``minillm.checkpoints.hf.to_transformers``, attention "sdpa" in both): tokens/s and their ratio.
 b. minillm naive recompute vs KV-cached decode at 64, 128 and 256 new tokens.
 c. The time of one decode step against batch size 1 ... 32 at a fixed context.
 d. Memory-bandwidth utilisation of decode (gpt-fast's "MBU"): (weight bytes + KV bytes read per step) x
-   steps/s, over the copy bandwidth ``minillm.roofline.measure_bandwidth`` measures in the same run.
+   steps/s, over the copy bandwidth ``minillm.analysis.roofline.measure_bandwidth`` measures in the same run.
 
 Batch 1 (a, b), float32, greedy, a fixed prompt, EOS disabled; a and b check that the compared paths give
 identical tokens and exit with FAIL otherwise. Targets: minillm >= 1.1x transformers; cached >= 10x naive
@@ -21,13 +21,18 @@ import time
 
 import torch
 import transformers
+from timed_runs import Run, check_identical, compare_with_transformers, interleaved, run_minillm, tokens_per_s
 
 from minillm import load_pretrained
+from minillm.analysis.arithmetic import (
+    bandwidth_bound_steps_per_s,
+    bandwidth_utilisation,
+    decode_bytes,
+    kv_cache_bytes,
+    streamed_weight_bytes,
+)
+from minillm.analysis.roofline import measure_bandwidth, time_decode_step
 from minillm.device import DEVICE_NAMES
-from minillm.memory import (bandwidth_bound_steps_per_s, bandwidth_utilisation, decode_bytes, kv_cache_bytes,
-                            streamed_weight_bytes)
-from minillm.roofline import measure_bandwidth, time_decode_step
-from timed_runs import Run, check_identical, compare_with_transformers, interleaved, run_minillm, tokens_per_s
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "Once upon a time, in a small village,"
@@ -64,7 +69,8 @@ def minillm_vs_transformers(model, prompt, repeats) -> list[Run]:
     """Part a; returns minillm's runs (part d reads their decode step time)."""
     n = HF_TOKENS
     print(f"\na. minillm cached decode vs transformers {transformers.__version__} LlamaForCausalLM.generate "
-          f"(minillm's weights copied with minillm.hf.to_transformers, sdpa attention in both; {n} new tokens, "
+          f"(minillm's weights copied with minillm.checkpoints.hf.to_transformers, sdpa attention in both; "
+          f"{n} new tokens, "
           f"{repeats} timed runs each after one warm-up, alternating)")
     return compare_with_transformers(model, prompt, n, repeats, TARGET_MINILLM_OVER_HF)["minillm"]
 
@@ -78,8 +84,8 @@ def naive_vs_cached(model, prompt, repeats) -> None:
           f"{'CPU-time ratio':>14} | {'naive s':>7} | identical tokens")
     for n in LENGTHS:
         results = interleaved({"naive": 1, "cached": repeats},
-                              {"naive": lambda: run_minillm(model, prompt, n, False),
-                               "cached": lambda: run_minillm(model, prompt, n, True)})
+                              {"naive": lambda n=n: run_minillm(model, prompt, n, False),
+                               "cached": lambda n=n: run_minillm(model, prompt, n, True)})
         same = check_identical(results, f"{n} new tokens")
         naive, cached = (tokens_per_s(n, results[k]) for k in ("naive", "cached"))
         cpu_ratio = tokens_per_s(n, results["cached"], "cpu") / tokens_per_s(n, results["naive"], "cpu")
@@ -93,7 +99,7 @@ def batch_sweep(model, bandwidth: float) -> None:
     """Parts c and d by batch size: step time, tokens/s, and the MBU of each step."""
     dtype = model.dtype
     print(f"\nc. One decode step against batch size (every row attends {BATCH_CONTEXT} cached positions; random "
-          f"token ids; median of {STEP_REPEATS} steps after one warm-up, minillm.roofline.time_decode_step)")
+          f"token ids; median of {STEP_REPEATS} steps after one warm-up, minillm.analysis.roofline.time_decode_step)")
     print(f"{'batch':>5} | {'ms/step':>8} | {'x batch 1':>9} | {'tok/s':>7} | {'MB read/step':>12} | {'MBU':>5}")
     base = None
     for batch in BATCHES:

@@ -4,12 +4,13 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from minillm import now, stream_generate
-from minillm.hf import to_transformers
+from minillm.checkpoints.hf import to_transformers
 
 
 class Run(NamedTuple):
@@ -77,7 +78,7 @@ def check_identical(results: dict[str, list[Run]], what: str) -> bool:
 def compare_with_transformers(model, prompt: list[int], n: int, repeats: int,
                               target: float) -> dict[str, list[Run]]:
     """minillm's cached decode against transformers' ``generate`` on the same weights (copied with
-    ``minillm.hf.to_transformers``, sdpa attention in both): one warm-up each, then ``repeats`` timed
+    ``minillm.checkpoints.hf.to_transformers``, sdpa attention in both): one warm-up each, then ``repeats`` timed
     runs each, alternating; prints tokens/s and their ratio against ``target``. Exits with FAIL
     when the tokens differ."""
     hf_model = to_transformers(model, attn_implementation="sdpa", bos_token_id=None, eos_token_id=None,

@@ -16,8 +16,8 @@ import re
 import sys
 from pathlib import Path
 
-from minillm.labs import function_names
-from minillm.labs.notebooks import lab_cells
+from minillm.book.labs import function_names
+from minillm.book.labs.notebooks import lab_cells
 
 SOLUTIONS = Path(__file__).resolve().parent / "solutions"
 

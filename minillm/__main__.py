@@ -1,15 +1,15 @@
 """``python -m minillm``: the generation demo, or a subcommand.
 
     python -m minillm [demo options]      generate, stream the text, print TTFT / TPOT (minillm.demo)
-    python -m minillm serve [options]     an OpenAI-compatible HTTP server (minillm.server)
-    python -m minillm bench [options]     a load generator for any OpenAI-compatible server (minillm.bench_client)
+    python -m minillm serve [options]     an OpenAI-compatible HTTP server (minillm.serving.cli)
+    python -m minillm bench [options]     a load generator for any OpenAI-compatible server (minillm.serving.bench)
 """
 from __future__ import annotations
 
 import importlib
 import sys
 
-SUBCOMMANDS = {"serve": "minillm.server", "bench": "minillm.bench_client"}
+SUBCOMMANDS = {"serve": "minillm.serving.cli", "bench": "minillm.serving.bench"}
 
 
 def main(argv: list[str] | None = None) -> int:

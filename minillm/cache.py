@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_int
 from .config import ModelConfig
+from .validate import check_int
 
 
 class KVCache:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .checks import check_int
+from .validate import check_int, check_number
 
 
 @dataclass(frozen=True)
@@ -44,12 +44,8 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        for name in ("rope_theta", "norm_eps"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise TypeError(f"{name}={value!r} must be a number")
-            if not value > 0:
-                raise ValueError(f"{name}={value!r} must be > 0")
+        check_number("rope_theta", self.rope_theta)
+        check_number("norm_eps", self.norm_eps)
         if not isinstance(self.tie_embeddings, bool):
             raise TypeError(f"tie_embeddings={self.tie_embeddings!r} must be True or False")
 
@@ -78,7 +74,7 @@ class ModelConfig:
         """Total parameter count (tied embeddings counted once)."""
         return sum(self.param_counts().values())
 
-    def with_(self, **changes) -> "ModelConfig":
+    def with_(self, **changes) -> ModelConfig:
         """A copy with some fields changed (validated again).
 
         A ``head_dim`` that was the default ``d_model // n_heads`` is derived again from the new

@@ -21,17 +21,17 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import check_int
+from .analysis.metrics import RequestTiming, e2e_latency, tpot, ttft
+from .checkpoints.pretrained import load_pretrained
 from .config import PRESETS
-from .detokenize import TextStream
 from .device import DEVICE_NAMES, DTYPES, resolve_device, resolve_dtype
 from .generate import TokenEvent, check_lengths, stream_generate
-from .metrics import RequestTiming, e2e_latency, tpot, ttft
 from .model import build_model
-from .pretrained import load_pretrained
 from .sampling import SamplingParams
+from .text.byte import ByteTokenizer
+from .text.stream import TextStream
 from .timing import now
-from .tokenizer import ByteTokenizer
+from .validate import check_int
 
 PRETRAINED = "smollm2-135m-instruct"
 MODELS = ("smollm2", "tiny")
@@ -130,7 +130,7 @@ def collect(events, label: str, total: int, on_event=None) -> list[TokenEvent]:
 
 def timed_run(model, prompt_ids: list[int], max_new_tokens: int, use_cache: bool, label: str,
               on_event=None, **generate_kwargs) -> Run:
-    """One run of ``stream_generate``, timed from the request to each token (minillm.metrics)."""
+    """One run of ``stream_generate``, timed from the request to each token (minillm.analysis.metrics)."""
     start = now(model.device)
     events = stream_generate(model, prompt_ids, max_new_tokens, use_cache=use_cache, **generate_kwargs)
     events = collect(events, label, max_new_tokens, on_event)

@@ -5,15 +5,15 @@ cached: one prefill over the prompt fills the KV cache; each decode step feeds o
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 
 from .cache import KVCache
-from .checks import check_int
 from .sampling import SamplingParams, sample
 from .timing import now
+from .validate import check_int, check_integer_tensor, check_seed, check_token_ids
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,8 @@ def as_prompt_tensor(prompt_ids, vocab_size: int, device) -> torch.Tensor:
         raise ValueError(f"prompt_ids must be one sequence (1-D), got shape {tuple(ids.shape)}")
     if ids.numel() == 0:
         raise ValueError("prompt_ids is empty; give at least one token (e.g. BOS)")
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"prompt_ids must be integer token ids, got dtype {ids.dtype}")
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})")
+    check_integer_tensor("prompt_ids", ids)
+    check_token_ids(ids, vocab_size)
     return ids.to(device=device, dtype=torch.long)[None, :]
 
 
@@ -68,6 +65,7 @@ def stream_generate(model, prompt_ids: Sequence[int] | torch.Tensor, max_new_tok
     vocab_size = model.config.vocab_size
     if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
         raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary [0, {vocab_size})")
+    check_seed("seed", seed)
     ids = as_prompt_tensor(prompt_ids, vocab_size, model.device)  # (1, T)
     check_lengths(ids.shape[1], max_new_tokens, model.config.max_seq_len)
     if cache is not None:

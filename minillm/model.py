@@ -18,7 +18,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from .config import ModelConfig, get_config
+from .device import resolve_device, resolve_dtype
+from .validate import check_integer_tensor, check_seed, check_token_ids
 
 ATTENTION_IMPLS = ("eager", "sdpa")
 
@@ -233,7 +235,7 @@ class CausalLM(nn.Module):
         quantized, unlike the linear layers, ``lm_head`` included)."""
         return self.model.embed_tokens.weight.dtype
 
-    def set_attention_impl(self, impl: str) -> "CausalLM":
+    def set_attention_impl(self, impl: str) -> CausalLM:
         """``"sdpa"`` (fused, default) or ``"eager"`` (explicit scores, mask and softmax)."""
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"unknown attention impl {impl!r}; choose one of {ATTENTION_IMPLS}")
@@ -261,8 +263,7 @@ class CausalLM(nn.Module):
             start = cache.lengths[:, None] if cache is not None else 0
             positions = start + torch.arange(T, device=input_ids.device)[None, :]  # (B, T)
             positions = positions.expand(B, T)
-        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
-            raise TypeError(f"positions must be integers, got dtype {positions.dtype}")
+        check_integer_tensor("positions", positions)
         if positions.shape != input_ids.shape:
             raise ValueError(f"positions shape {tuple(positions.shape)} != input_ids shape {tuple(input_ids.shape)}")
         limit, lo, hi = self.config.max_seq_len, int(positions.min()), int(positions.max())
@@ -286,14 +287,10 @@ class CausalLM(nn.Module):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError(f"input_ids must be a 2-D tensor (batch, seq), got {type(input_ids).__name__} "
                              f"of shape {tuple(getattr(input_ids, 'shape', ()))}")
-        if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        check_integer_tensor("input_ids", input_ids)
         if input_ids.shape[1] == 0:
             raise ValueError("input_ids is empty (sequence length 0); give at least one token")
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.config.vocab_size})")
+        check_token_ids(input_ids, self.config.vocab_size)
 
     def attention_weights(self) -> list[torch.Tensor]:
         """Per layer, the weights recorded by the last ``record_attention=True`` call: (B, H, T, S)."""
@@ -308,12 +305,9 @@ def build_model(config: ModelConfig | str = "tiny", device="cpu", dtype="float32
     (with LLaMA's training init, std 0.02, a random model repeats one token forever, which hides
     bugs). Built on the CPU in float32, so a seed gives the same weights on any device.
     """
-    from .config import get_config
-    from .device import resolve_device, resolve_dtype
-
     config = get_config(config) if isinstance(config, str) else config
     device, dtype = resolve_device(device), resolve_dtype(dtype)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    generator = torch.Generator().manual_seed(seed) if check_seed("seed", seed) is not None else None
     model = CausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -322,3 +316,17 @@ def build_model(config: ModelConfig | str = "tiny", device="cpu", dtype="float32
             std = 1.0 if "embed_tokens" in name else p.shape[1] ** -0.5
             p.normal_(0.0, std, generator=generator)
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def empty_model(config: ModelConfig, device="cpu", dtype="float32") -> CausalLM:
+    """A model with uninitialized weights on ``device`` in ``dtype``, ready for a checkpoint's state dict.
+
+    Built on the meta device, so no time is spent drawing random weights that are overwritten next.
+    """
+    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device=device).to(dtype=dtype)  # the rotary frequencies are recomputed
+    if config.tie_embeddings:  # to_empty gives each module its own tensor; tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model

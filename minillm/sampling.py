@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .validate import check_int, check_number
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -15,12 +17,9 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature!r} must be >= 0 (0 means greedy)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k!r} must be an integer >= 0 (0 disables top-k)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1] (1 disables top-p)")
+        check_number("temperature", self.temperature, inclusive=True, hint="0 means greedy")
+        check_int("top_k", self.top_k, minimum=0, hint="0 disables top-k")
+        check_number("top_p", self.top_p, maximum=1, hint="1 disables top-p")
 
     @property
     def greedy(self) -> bool:

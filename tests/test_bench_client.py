@@ -6,15 +6,14 @@ import json
 
 import httpx
 import pytest
-
-from minillm import bench_client
-from minillm.bench_client import (compare_with_engine, fetch_engine_records, main, parse_slo, payload,
-                                  run_benchmark)
-from minillm.engine import Request
-from minillm.metrics import SLO, e2e_latency, itls, tpot, ttft
-from minillm.sampling import SamplingParams
-from minillm.workload import poisson_arrivals, random_requests
 from test_server import server  # noqa: F401  (the fixture: a tiny-model server on 127.0.0.1)
+
+from minillm.analysis.metrics import SLO, e2e_latency, itls, tpot, ttft
+from minillm.engine import Request
+from minillm.engine.workload import poisson_arrivals, random_requests
+from minillm.sampling import SamplingParams
+from minillm.serving import bench as bench_client
+from minillm.serving.bench import compare_with_engine, fetch_engine_records, main, parse_slo, payload, run_benchmark
 
 
 class FakeClock:

@@ -17,7 +17,7 @@ NOTEBOOKS = sorted(p for p in BOOK.rglob("*.ipynb") if "_build" not in p.parts a
 # MyST-only markup that Colab and plain Jupyter show as raw text: not allowed in a notebook's markdown.
 MYST_ONLY = [re.compile(p) for p in (r"\{glue", r"\{admonition\}", r":::\{", r"\{doc\}", r"\{ref\}",
                                       r"\{numref\}", r"^\(\S+\)=\s*$", r"^```\{")]
-WIDTH = 90  # characters (minillm.notebook.WIDTH): code lines and text outputs fit the web book's column
+WIDTH = 90  # characters (minillm.book.notebook.WIDTH): code lines and text outputs fit the web book's column
 
 
 def _load_set_repository():
@@ -130,15 +130,15 @@ def test_code_and_outputs_fit_the_column(path):
     for index, cell in enumerate(_cells(path)):
         if cell["cell_type"] != "code" or "remove-cell" in cell["metadata"].get("tags", []):
             continue
-        lines = "".join(cell["source"]).splitlines() + [l for t in _text_outputs(cell) for l in t.splitlines()]
+        lines = "".join(cell["source"]).splitlines() + [line for t in _text_outputs(cell) for line in t.splitlines()]
         wide += [f"cell {index}: {len(line)} chars: {line[:50]}..." for line in lines if len(line) > WIDTH]
     assert not wide, f"{path.name}: {len(wide)} lines wider than {WIDTH}: {wide[:3]}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_source_excerpts_are_the_library_as_it_is(path):
-    """A code excerpt on a page (minillm.notebook.show_source) equals the library's source today."""
-    from minillm.notebook import show_source
+    """A code excerpt on a page (minillm.book.notebook.show_source) equals the library's source today."""
+    from minillm.book.notebook import show_source
 
     excerpts = 0
     for cell in _cells(path):

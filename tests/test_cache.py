@@ -4,6 +4,7 @@ import torch
 from conftest import SMALL, random_ids
 
 from minillm import KVCache, ModelConfig, generate, get_config
+
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # per element, by hand
 
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from minillm.checks import check_int, check_number
+from minillm.validate import check_int, check_number
 
 
 def test_check_int_returns_the_value_and_refuses_the_rest():

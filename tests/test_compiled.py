@@ -4,7 +4,8 @@ import torch
 from conftest import SMALL, random_ids
 
 from minillm import KVCache, build_model, generate
-from minillm.compiled import StaticDecoder, choose_backend, count_ops, decode_step, find_compiler
+from minillm.book.instruments import count_ops
+from minillm.fast.compiled import StaticDecoder, choose_backend, decode_step, find_compiler
 
 CPU = torch.device("cpu")
 # Compiling imports parts of torch that still use torch.jit.script_method (torch's warning, not ours).
@@ -71,7 +72,7 @@ def test_eos_stops_the_static_decoder(tiny_model):
 
 def test_without_a_compiler_the_cpu_falls_back_to_eager_and_says_why(monkeypatch, capsys):
     monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setattr("minillm.compiled.shutil.which", lambda name: None)
+    monkeypatch.setattr("minillm.fast.compiled.shutil.which", lambda name: None)
     backend, reason = choose_backend(CPU)
     assert backend == "eager" and "no C++ compiler" in reason and "g++" in reason
     decoder = StaticDecoder(build_model(SMALL), 8, verbose=True)
@@ -108,5 +109,5 @@ def test_a_decode_step_runs_the_same_operations_in_every_layer():
         model = build_model(SMALL.with_(n_layers=n_layers))
         cache = KVCache(model.config, 1, 8)
         model(torch.tensor([[1, 2, 3]]), cache=cache)
-        counts.append(count_ops(lambda: model(torch.tensor([[4]]), cache=cache)))
+        counts.append(count_ops(lambda model=model, cache=cache: model(torch.tensor([[4]]), cache=cache)))
     assert counts[1] - counts[0] == counts[2] - counts[1] > 20

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 import minillm.demo as demo
-from minillm.bpe import BPETokenizer
-from minillm.detokenize import TextStream
-from minillm.pretrained import PACKAGED, gguf_checkpoint
+from minillm.checkpoints.pretrained import PACKAGED, gguf_checkpoint
+from minillm.text.bpe import BPETokenizer
+from minillm.text.stream import TextStream
 
 NUMBER = r"\s+(\d+\.\d+)"
 CHINESE_PROMPT = "How do you say hello in Chinese?"  # greedy: 'Hello in Chinese is "哈哭！"', characters split
@@ -155,9 +155,9 @@ def test_tiny_demo_reports_both_paths_and_that_they_agree():
     (["--max-new-tokens", "0"], "max_new_tokens=0 must be >= 1"),
     (["--model", "tiny", "--max-new-tokens", "5000"], "exceeds max_seq_len=2048"),
     (["--threads", "0"], "--threads 0 must be >= 1"),
-    (["--temperature", "-1"], "temperature=-1.0 must be >= 0"),
-    (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
-    (["--top-k", "-2"], "top_k=-2 must be an integer >= 0"),
+    (["--temperature", "-1"], "temperature=-1.0 must be a finite number >= 0"),
+    (["--top-p", "0"], "top_p=0.0 must be a finite number > 0 and <= 1"),
+    (["--top-k", "-2"], "top_k=-2 must be >= 0"),
     (["hello", "--prompt", "world"], "give the prompt once"),
     (["--prompt", " "], "the prompt ' ' is empty"),
     (["--compare", "--temperature", "0.7"], "--compare checks token-for-token equality, which needs greedy"),

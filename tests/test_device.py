@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import minillm.notebook
+import minillm.book.notebook
 from minillm import build_model, now, resolve_device, resolve_dtype, synchronize
 
 
@@ -72,9 +72,9 @@ def test_clock_is_monotone_and_synchronize_is_a_no_op_on_cpu():
 
 
 def test_pick_device_without_a_gpu(no_cuda, capsys):
-    device, dtype = minillm.notebook.pick_device()
+    device, dtype = minillm.book.notebook.pick_device()
     assert (device, dtype) == (torch.device("cpu"), torch.float32)
     assert capsys.readouterr().out.startswith("device: cpu (CPU, ")
-    assert minillm.notebook.pick_device(verbose=False) == (device, dtype)
+    assert minillm.book.notebook.pick_device(verbose=False) == (device, dtype)
     assert capsys.readouterr().out == ""
 

@@ -4,11 +4,12 @@ Chunked prefill, prefix caching and the online interface have their own files (t
 which import the helpers below.
 """
 import random
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minillm import KVCache, SamplingParams, build_model, generate, get_config
 from minillm.engine import Engine, PagedBatchCache, PagedKVPool, Request, blocks_for
@@ -18,7 +19,7 @@ MODEL = build_model(CONFIG, seed=0)
 REF_TOKENS = 24  # greedy outputs are prefixes of a longer greedy run
 
 
-@lru_cache(maxsize=None)
+@cache
 def greedy_reference(prompt: tuple[int, ...]) -> list[int]:
     return generate(MODEL, list(prompt), REF_TOKENS)
 
@@ -43,7 +44,7 @@ def check_tables(engine):
         for i, block in enumerate(seq.block_table):
             assert 0 <= block < blocks.num_blocks
             holders.setdefault(block, []).append((seq, i))
-    for block, users in holders.items():
+    for users in holders.values():
         if len(users) > 1:
             assert blocks.enable_prefix_caching
             (first, i), end = users[0], (users[0][1] + 1) * bs

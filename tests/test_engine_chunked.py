@@ -2,10 +2,10 @@
 long prompts spread over steps, and the same tokens as generating each request alone."""
 import pytest
 import torch
+from test_engine import CONFIG, MODEL, check_invariants, drive, greedy_reference, workload
 
 from minillm import SamplingParams, generate
 from minillm.engine import Engine, MixedBatchCache, PagedBatchCache, PagedKVPool, Request
-from test_engine import CONFIG, MODEL, check_invariants, drive, greedy_reference, workload
 
 SHORT, LONG = Request("short", [1, 2, 3], 12), Request("long", list(range(10, 40)), 3)
 

@@ -1,8 +1,8 @@
 """The online interface: add_request at any time, step() reports each new token, abort() frees a request."""
 import pytest
+from test_engine import MODEL, check_tables, drive, greedy_reference, workload
 
 from minillm.engine import Engine, Request, StepOutput
-from test_engine import MODEL, check_tables, drive, greedy_reference, workload
 
 
 def test_requests_added_between_steps_stream_the_tokens_of_generate_alone():

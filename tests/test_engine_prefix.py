@@ -1,10 +1,10 @@
 """Prefix caching: full KV blocks shared by content, reference-counted, evicted least recently used first;
 the tokens are those of generating each request alone, and the prefill tokens saved are counted exactly."""
 import pytest
+from test_engine import MODEL, check_invariants, check_tables, drive, greedy_reference, workload
 
 from minillm.engine import BlockManager, Engine, Request, block_key
 from minillm.engine.request import Sequence
-from test_engine import MODEL, check_invariants, check_tables, drive, greedy_reference, workload
 
 SYSTEM = list(range(100, 110))  # a 10-token system prompt: 2 full blocks of 4 tokens, and 2 tokens over
 USERS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]

@@ -1,4 +1,4 @@
-"""minillm.hf: Hugging Face LLaMA checkpoints load into minillm and compute the same thing.
+"""minillm.checkpoints.hf: Hugging Face LLaMA checkpoints load into minillm and compute the same thing.
 
 The reference is ``transformers.LlamaForCausalLM`` built from tiny random configs (offline): same
 logits in float32 within 1e-5 (absolute, plus 1e-5 relative: logits reach ~25 here, where float32
@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from minillm import CausalLM, build_model, generate, get_config
-from minillm.hf import config_from_hf, config_to_hf, load_checkpoint, load_state_dict_into, to_transformers
+from minillm.checkpoints.hf import config_from_hf, config_to_hf, load_checkpoint, load_state_dict_into, to_transformers
 
 BASE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
@@ -49,7 +49,7 @@ def hf_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
 
 
 def minillm_from(hf: LlamaForCausalLM) -> CausalLM:
-    """minillm with the config and weights of ``hf``, through minillm.hf."""
+    """minillm with the config and weights of ``hf``, through minillm.checkpoints.hf."""
     model = CausalLM(config_from_hf(hf.config.to_dict()))
     return load_state_dict_into(model, hf.state_dict()).eval()
 

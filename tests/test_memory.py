@@ -1,4 +1,4 @@
-"""minillm.memory against hand computations, the real KVCache tensors and a FLOP counter."""
+"""minillm.analysis.arithmetic against hand computations, the real KVCache tensors and a FLOP counter."""
 import math
 
 import pytest
@@ -8,12 +8,27 @@ from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 from minillm import KVCache, ModelConfig, build_model, get_config
-from minillm.memory import (
-    allocation_waste, arithmetic_intensity, bandwidth_bound_steps_per_s, bandwidth_utilisation,
-    bytes_per_element, decode_bytes, decode_flops, format_bytes, generation_flops,
-    kv_bytes_per_token, kv_cache_bytes, kv_share, matmul_params, plan_capacity, prefill_flops,
-    quantized_weight_bytes, reserved_slots, streamed_weight_bytes, weight_bytes,
+from minillm.analysis.arithmetic import (
+    allocation_waste,
+    arithmetic_intensity,
+    bandwidth_bound_steps_per_s,
+    bandwidth_utilisation,
+    bytes_per_element,
+    decode_bytes,
+    decode_flops,
+    format_bytes,
+    generation_flops,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    kv_share,
+    matmul_params,
+    prefill_flops,
+    quantized_weight_bytes,
+    reserved_slots,
+    streamed_weight_bytes,
+    weight_bytes,
 )
+from minillm.analysis.capacity import plan_capacity
 
 SMALL_CONFIGS = [
     get_config("tiny"),                                   # GQA 8:2

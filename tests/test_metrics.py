@@ -1,12 +1,23 @@
-"""minillm.metrics against values computed by hand on small synthetic timelines."""
+"""minillm.analysis.metrics against values computed by hand on small synthetic timelines."""
 import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm.metrics import (SLO, RequestTiming, e2e_latency, in_system, itls, plan_for_slo, serving_metrics, summarize,
-                             time_average, tpot, ttft)
+from minillm.analysis.capacity import plan_for_slo
+from minillm.analysis.metrics import (
+    SLO,
+    RequestTiming,
+    e2e_latency,
+    in_system,
+    itls,
+    serving_metrics,
+    summarize,
+    time_average,
+    tpot,
+    ttft,
+)
 
 # A: 4 tokens; B: 2 tokens; C: 1 token (no TPOT); D: rejected (no token).
 A = RequestTiming(0.0, [0.10, 0.15, 0.25, 0.30], prompt_len=10)

@@ -220,9 +220,9 @@ def test_bad_input_ids(small_model, make_input, words):
 
 
 def test_ids_and_positions_must_be_integers(small_model):
-    with pytest.raises(TypeError, match="input_ids must hold integer token ids, got dtype torch.float32"):
+    with pytest.raises(TypeError, match="input_ids must hold integers, got dtype torch.float32"):
         small_model(torch.tensor([[1.0, 2.0]]))
-    with pytest.raises(TypeError, match="positions must be integers, got dtype torch.float32"):
+    with pytest.raises(TypeError, match="positions must hold integers, got dtype torch.float32"):
         small_model(torch.tensor([[1, 2]]), positions=torch.tensor([[0.0, 1.0]]))
 
 

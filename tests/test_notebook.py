@@ -11,7 +11,7 @@ import matplotlib
 import pytest
 
 from minillm import KVCache, generate
-from minillm.notebook import WIDTH, ClaimFailed, check, show_source, use_book_style, which_case
+from minillm.book.notebook import WIDTH, ClaimFailed, check, show_source, use_book_style, which_case
 
 
 def test_check_prints_claim_evidence_and_pass(capsys):

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import minillm
-from minillm import KVCache, SamplingParams, generate, load_pretrained, memory
-from minillm.bpe import BPETokenizer
-from minillm.gguf_checkpoint import read_gguf, unpermute_rope_rows
-from minillm.pretrained import PACKAGED, PackagedModel, _read_gguf_cached, gguf_checkpoint, packaged_path
+from minillm import KVCache, SamplingParams, generate, load_pretrained
+from minillm.analysis import arithmetic as memory
+from minillm.checkpoints.gguf import read_gguf, unpermute_rope_rows
+from minillm.checkpoints.pretrained import PACKAGED, PackagedModel, _read_gguf_cached, gguf_checkpoint, packaged_path
+from minillm.text.bpe import BPETokenizer
 
 NAME = "smollm2-135m-instruct"
 PROMPT = "Once upon a time, in a small village,"

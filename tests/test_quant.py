@@ -9,10 +9,22 @@ import torch.nn.functional as F
 from conftest import SMALL, random_ids
 
 from minillm import KVCache, build_model, generate, get_config, load_pretrained
-from minillm.memory import quantized_weight_bytes, streamed_weight_bytes
-from minillm.quant import (EVAL_TEXT, INT8PACK_IN_MULTIPLE, INT8PACK_MAX_ROWS, Int8Linear, MatVecLinear,
-                           dequantize_int8, greedy_match, int8pack_available, make_variant, mean_nll,
-                           quantize_int8, quantize_model, streamed_bytes)
+from minillm.analysis.arithmetic import quantized_weight_bytes, streamed_weight_bytes
+from minillm.book.data import EVAL_TEXT
+from minillm.fast.quant import (
+    INT8PACK_IN_MULTIPLE,
+    INT8PACK_MAX_ROWS,
+    Int8Linear,
+    MatVecLinear,
+    dequantize_int8,
+    greedy_match,
+    int8pack_available,
+    make_variant,
+    mean_nll,
+    quantize_int8,
+    quantize_model,
+    streamed_bytes,
+)
 
 BF16_ULP = 2 ** -8  # relative spacing of bfloat16 numbers near 1 (8 significant bits)
 

@@ -8,11 +8,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minillm import KVCache, build_model, get_config
+from minillm.analysis.arithmetic import kv_bytes_per_token, prefill_bytes, streamed_weight_bytes
+from minillm.analysis.roofline import (
+    RooflinePoint,
+    matmul_flops,
+    measure_bandwidth,
+    measure_matmul_flops,
+    median_time,
+    prefill_share,
+    ridge_point,
+    roofline,
+    roofline_time,
+    time_decode_step,
+    time_prefill,
+)
+from minillm.book.instruments import mixed_step_calls
 from minillm.config import ModelConfig
-from minillm.memory import kv_bytes_per_token, prefill_bytes, streamed_weight_bytes
-from minillm.roofline import (RooflinePoint, matmul_flops, measure_bandwidth, measure_matmul_flops,
-                              median_time, mixed_step_calls, prefill_share, ridge_point, roofline,
-                              roofline_time, time_decode_step, time_prefill)
 
 
 def fake_clock(readings):

@@ -207,7 +207,7 @@ def test_a_client_that_leaves_a_whole_response_frees_its_blocks(server):
 
 
 def test_bad_server_arguments_exit_with_status_2(capsys):
-    from minillm.server import main
+    from minillm.serving.cli import main
 
     for argv, words in ((["--threads", "0"], "--threads 0 must be >= 1"),
                         (["--port", "70000"], "--port 70000 must be >= 0 and <= 65535")):

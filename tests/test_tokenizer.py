@@ -15,7 +15,7 @@ def test_the_documents_example_prompt(tokenizer):
     # BOS + 5 Chinese characters x 3 UTF-8 bytes + 11 ASCII bytes = 27 tokens
     assert len(ids) == 1 + 5 * 3 + 11 == 27
     assert ids[0] == tokenizer.bos_token_id == 256
-    assert ids[1:4] == list("请".encode("utf-8")) == [0xE8, 0xAF, 0xB7]
+    assert ids[1:4] == list("请".encode()) == [0xE8, 0xAF, 0xB7]
     assert ids[-11:] == [ord(c) for c in "Transformer"]
 
 

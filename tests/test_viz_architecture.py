@@ -2,13 +2,18 @@
 import matplotlib
 import pytest
 import torch
+from conftest import SMALL, random_ids
 
 from minillm import KVCache, get_config
+from minillm.book.viz.architecture import (
+    BLOCK_ROWS,
+    draw_decoder_block,
+    draw_prefill_decode,
+    format_shape,
+    forward_stages,
+    matmul_shapes,
+)
 from minillm.config import ModelConfig
-from minillm.viz.architecture import (BLOCK_ROWS, draw_decoder_block, draw_prefill_decode, format_shape,
-                                      forward_stages, matmul_shapes)
-
-from conftest import SMALL, random_ids
 
 matplotlib.use("Agg")
 SMOLLM2 = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,

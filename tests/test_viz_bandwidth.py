@@ -2,11 +2,11 @@
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
 
-from minillm.viz.bandwidth import plot_bandwidth_law, plot_kernel_bandwidth  # noqa: E402
+from minillm.book.viz.bandwidth import plot_bandwidth_law, plot_kernel_bandwidth
 
 
 def test_bandwidth_law_draws_each_point_and_the_bound_through_bandwidth_over_bytes():

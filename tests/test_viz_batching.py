@@ -4,10 +4,16 @@ from dataclasses import dataclass
 import matplotlib
 import pytest
 
+from minillm.book.viz.batching import (
+    SHARED,
+    draw_batching_comparison,
+    draw_pool_timeline,
+    pool_owners,
+    slot_spans,
+    token_steps,
+)
 from minillm.engine import Engine, Request
-from minillm.viz.batching import (SHARED, draw_batching_comparison, draw_pool_timeline, pool_owners,
-                                  slot_spans, token_steps)
-from minillm.workload import random_requests
+from minillm.engine.workload import random_requests
 
 matplotlib.use("Agg")
 SLOTS = 4

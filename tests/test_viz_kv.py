@@ -3,13 +3,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
-from matplotlib.colors import to_rgba  # noqa: E402
-from matplotlib.path import Path  # noqa: E402
+import matplotlib.pyplot as plt
+import pytest
+from matplotlib.colors import to_rgba
+from matplotlib.path import Path
 
-from minillm.viz.kv import (STATE_COLORS, draw_block_tables, draw_kv_growth,  # noqa: E402
-                            growth_states, physical_blocks)
+from minillm.book.viz.kv import STATE_COLORS, draw_block_tables, draw_kv_growth, growth_states, physical_blocks
 
 
 @pytest.fixture(autouse=True)

@@ -1,14 +1,14 @@
-"""Request timelines: the marks equal minillm.metrics, and the figure draws them where they belong."""
+"""Request timelines: the marks equal minillm.analysis.metrics, and the figure draws them where they belong."""
 import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
 
-from minillm.metrics import RequestTiming  # noqa: E402
-from minillm.viz.timeline import draw_request, draw_requests, timeline_marks  # noqa: E402
+from minillm.analysis.metrics import RequestTiming
+from minillm.book.viz.timeline import draw_request, draw_requests, timeline_marks
 
 # Arrives at 0.1 s, waits until 0.3 s, first token at 0.5 s, then gaps of 50, 150 and 100 ms.
 REQUEST = RequestTiming(arrival_time=0.1, token_times=[0.5, 0.55, 0.7, 0.8], prompt_len=12)

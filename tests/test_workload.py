@@ -5,7 +5,7 @@ import statistics
 import pytest
 
 from minillm import SamplingParams
-from minillm.workload import poisson_arrivals, random_requests
+from minillm.engine.workload import poisson_arrivals, random_requests
 
 
 def gaps(times):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from ..checks import check_int
+from ..validate import check_int
 from .request import Sequence
 
 

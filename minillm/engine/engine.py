@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_int
 from ..sampling import sample
 from ..timing import now
+from ..validate import check_int, check_token_ids
 from .block_manager import BlockManager, blocks_for
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVPool
@@ -234,9 +234,10 @@ class Engine:
         config, prompt = self.model.config, request.prompt_ids
         if not prompt:
             return "empty prompt"
-        bad = [t for t in prompt if not 0 <= t < config.vocab_size]
-        if bad:
-            return f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})"
+        try:
+            check_token_ids(prompt, config.vocab_size)
+        except ValueError as error:
+            return str(error)
         total = len(prompt) + request.max_tokens
         if total > config.max_seq_len:
             return (f"prompt length {len(prompt)} + max_tokens {request.max_tokens} = {total} "

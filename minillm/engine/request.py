@@ -1,13 +1,12 @@
 """A request as submitted, its state inside the engine, and the record it leaves behind."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from ..checks import check_int
 from ..sampling import SamplingParams
+from ..validate import check_int, check_number, check_seed
 
 
 @dataclass(frozen=True)
@@ -39,17 +38,15 @@ class Request:
         check_int("max_tokens", self.max_tokens)
         if not isinstance(self.sampling, SamplingParams):
             raise TypeError(f"sampling={self.sampling!r} must be a SamplingParams")
-        if not isinstance(self.arrival_time, (int, float)) or not 0 <= self.arrival_time < math.inf:
-            raise ValueError(f"arrival_time={self.arrival_time!r} must be a finite number of seconds >= 0")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise TypeError(f"seed={self.seed!r} must be an int or None")
+        check_number("arrival_time", self.arrival_time, inclusive=True)
+        check_seed("seed", self.seed)
 
 
 @dataclass(frozen=True)
 class RequestRecord:
     """What happened to one request; every time is in seconds from the start of the run.
 
-    ``minillm.metrics`` reads TTFT, TPOT, ITL and E2E latency from ``arrival_time`` and ``token_times``.
+    ``minillm.analysis.metrics`` reads TTFT, TPOT, ITL and E2E latency from ``arrival_time`` and ``token_times``.
     Each time the request is admitted (once, plus once per preemption) its tokens so far are either
     found in the prefix cache or computed: ``cached_tokens + prefill_tokens`` sums them over admissions.
     """

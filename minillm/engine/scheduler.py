@@ -6,7 +6,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from ..checks import check_int
+from ..validate import check_int
 from .block_manager import BlockManager
 from .request import Sequence
 

@@ -19,11 +19,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 
-from ..detokenize import TextStream
 from ..engine import Engine, Request
+from ..text.stream import TextStream
 from .loop import EngineLoop
-from .protocol import (FINISH_REASONS, ApiError, ChatCompletionRequest, CompletionRequest, SamplingRequest, Shape,
-                       parse_body, sse, usage)
+from .protocol import (
+    FINISH_REASONS,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    Shape,
+    parse_body,
+    sse,
+    usage,
+)
 
 COMPLETION, CHAT = Shape(chat=False), Shape(chat=True)
 

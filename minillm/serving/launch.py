@@ -16,7 +16,6 @@ import time
 import urllib.error
 import urllib.request
 
-
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
 
 

@@ -1,0 +1,105 @@
+"""Instruments that only the chapters use: counting the kernels a call runs, timing the engine's mixed step
+against separate calls, and reading which bfloat16 instructions the CPU reports."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..engine import MixedBatchCache, PagedBatchCache, PagedKVPool, blocks_for
+from ..validate import check_int
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the tensor operations that reach the kernels, views (no work) left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn) -> int:
+    """Tensor operations one call of ``fn()`` runs (views excluded). Eagerly each is a
+    kernel of its own: on a GPU, at least one launch, a fixed cost however few bytes."""
+    with torch.inference_mode(), _OpCounter() as counter:
+        fn()
+    return counter.count
+
+
+def mixed_step_calls(model, decode_rows: int, context_len: int, chunk_lens,
+                     block_size: int = 16, seed: int = 0) -> dict[str, Callable]:
+    """The calls that time one mixed step against its parts, on one paged KV pool.
+
+    ``"decode"``: ``decode_rows`` rows each feed one token that attends ``context_len``
+    positions (the earlier ones hold zeros, as in ``time_decode_step``). For each ``C`` of
+    ``chunk_lens``, ``"chunk C"``: a prefill chunk of ``C`` random tokens at position 0,
+    and ``"fused C"``: the decode tokens then the chunk in one row, one call, as the
+    engine's mixed step (``MixedBatchCache``). Each call returns its logits, one row per
+    token: ``(decode_rows, vocab)``, ``(C, vocab)``, ``(decode_rows + C, vocab)``; every
+    call of a kind repeats the same work.
+    """
+    B = check_int("decode_rows", decode_rows)
+    last = check_int("context_len", context_len) - 1
+    chunk_lens = [check_int(f"chunk_lens[{i}]", C) for i, C in enumerate(chunk_lens)]
+    if not chunk_lens:
+        raise ValueError("chunk_lens=[] must name at least one chunk length")
+    check_int("block_size", block_size)
+    c, device = model.config, model.device
+    per_row = blocks_for(context_len, block_size)
+    pool = PagedKVPool(c, B * per_row + blocks_for(max(chunk_lens), block_size),
+                       block_size, device, model.dtype)
+    rows = [list(range(i * per_row, (i + 1) * per_row)) for i in range(B)]  # block tables
+    chunk_table = list(range(B * per_row, pool.num_blocks))
+    gen = torch.Generator().manual_seed(seed)
+    dec_ids = torch.randint(c.vocab_size, (B, 1), generator=gen).to(device)  # (B, 1)
+    dec_pos = torch.full((B, 1), last, device=device)  # (B, 1)
+
+    def decode_cache():
+        return PagedBatchCache(pool, rows, [last] * B)
+
+    @torch.inference_mode()
+    def decode():
+        return model(dec_ids, dec_pos, decode_cache())[:, -1]  # (B, vocab)
+
+    def chunk_pair(ids):  # ids: (1, C)
+        pos = torch.arange(ids.shape[1], device=device)[None]  # (1, C)
+
+        @torch.inference_mode()
+        def chunk():
+            cache = PagedBatchCache(pool, [chunk_table], [0])
+            return model(ids, pos, cache)[0]  # (C, vocab)
+
+        @torch.inference_mode()
+        def fused():
+            parts = [(B, 1, decode_cache()),
+                     (1, ids.shape[1], PagedBatchCache(pool, [chunk_table], [0]))]
+            row = torch.cat([dec_ids.flatten(), ids.flatten()])[None]  # (1, B + C)
+            row_pos = torch.cat([dec_pos.flatten(), pos.flatten()])[None]  # (1, B + C)
+            cache = MixedBatchCache(parts, c.n_groups)
+            return model(row, row_pos, cache)[0]  # (B + C, vocab)
+
+        return chunk, fused
+
+    calls = {"decode": decode}
+    for C in chunk_lens:
+        ids = torch.randint(c.vocab_size, (1, C), generator=gen).to(device)  # (1, C)
+        calls[f"chunk {C}"], calls[f"fused {C}"] = chunk_pair(ids)
+    return calls
+
+
+def cpu_bfloat16_instructions() -> list[str] | None:
+    """The CPU's bfloat16 instruction sets named in /proc/cpuinfo ("avx512_bf16",
+    "amx_bf16", Arm's "bf16"); [] when it has none; None without /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = next((line.split(":", 1)[1].split() for line in info
+                          if line.startswith(("flags", "Features"))), [])
+    except OSError:
+        return None
+    names = ("avx512_bf16", "amx_bf16", "bf16")
+    return sorted(flag for flag in set(flags) if flag in names)

@@ -1,0 +1,209 @@
+"""A step-by-step simulator of a batching scheduler over a paged KV block pool (lab 2.3).
+
+No model runs. Each step, every running sequence gets one token (a sequence admitted this step gets
+its first token from its prefill), and the simulator keeps the books an engine keeps: a waiting queue,
+the running batch in order of admission, and a pool of KV blocks of ``block_size`` tokens. Three rules
+decide who runs; they come from the caller (the learner):
+
+* ``finished(seq, eos_token_id) -> bool``: is this sequence done after the token it just got?
+* ``admit(waiting, running, free_blocks, block_size, max_batch_size) -> list``: who starts this step;
+* ``preempt(running, free_blocks, block_size) -> list``: whom to evict when the running sequences need
+  more blocks than are free (evicted ones free their blocks and wait at the front of the queue; when
+  they are admitted again, their prompt and output so far are recomputed).
+
+To run its next step a sequence must hold ``ceil(seq.num_tokens / block_size)`` blocks. The simulator
+never trusts a rule: whatever breaks the budget, the batch limit or a request's length is recorded
+as a violation (and a run that breaks the budget stops there).
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from ...engine import blocks_for
+from .checker import LearnerError, call, wrong_value
+
+EOS = 2  # the end-of-sequence token id of the simulated model
+
+
+@dataclass
+class Seq:
+    """One request inside the simulator. Rules read these fields; they must not change them."""
+
+    request_id: int
+    prompt_len: int
+    max_tokens: int
+    eos_at: int | None = None  # the model's eos_at-th output token is EOS (None: the model never says EOS)
+    ignore_eos: bool = False
+    arrival_step: int = 0
+    output: list[int] = field(default_factory=list)  # token ids generated so far
+    blocks: list[int] = field(default_factory=list)  # ids of the KV blocks it holds
+    token_steps: list[int] = field(default_factory=list)  # the step of each output token
+    finish_step: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output so far: the tokens whose keys and values its next step needs in the cache."""
+        return self.prompt_len + len(self.output)
+
+    @property
+    def expected_tokens(self) -> int:
+        """How many tokens a correct scheduler gives it: up to its EOS, or max_tokens."""
+        if self.eos_at is not None and not self.ignore_eos:
+            return min(self.eos_at, self.max_tokens)
+        return self.max_tokens
+
+    def __repr__(self) -> str:
+        return (f"Seq(id={self.request_id}, prompt={self.prompt_len}, output={len(self.output)}, "
+                f"max_tokens={self.max_tokens}, blocks={len(self.blocks)})")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A request of a workload (the simulator makes a fresh Seq of it for each run)."""
+
+    prompt_len: int
+    max_tokens: int
+    eos_at: int | None = None
+    ignore_eos: bool = False
+    arrival_step: int = 0
+
+
+@dataclass
+class SimResult:
+    policy: str
+    steps: int  # steps until the last request finished (idle steps included)
+    seqs: list[Seq]
+    violations: list[str]
+    peak_blocks: int = 0
+    peak_batch: int = 0
+    preemptions: int = 0
+    running_per_step: list[int] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """Every request finished with exactly the tokens it should have, and nothing broke a limit."""
+        return not self.violations and all(
+            s.finish_step is not None and len(s.output) == s.expected_tokens for s in self.seqs)
+
+    def mean_wait(self) -> float:
+        """Mean steps from arrival to first token (TTFT counted in steps)."""
+        waits = [s.token_steps[0] - s.arrival_step for s in self.seqs if s.token_steps]
+        return sum(waits) / len(waits) if waits else math.nan
+
+
+def _need(seq: Seq, block_size: int) -> int:
+    return max(0, blocks_for(seq.num_tokens, block_size) - len(seq.blocks))
+
+
+def _members(name: str, chosen, pool: list[Seq]) -> list[Seq]:
+    """The rule's answer as a list of distinct sequences of ``pool``; else a LearnerError."""
+    if not isinstance(chosen, (list, tuple)):
+        raise wrong_value(name, chosen, "a list of sequences")
+    ids = {id(s) for s in pool}
+    for s in chosen:
+        if id(s) not in ids:
+            raise LearnerError(f"{name} returned {s!r}, which is not one of the sequences it was given")
+    if len({id(s) for s in chosen}) != len(chosen):
+        raise LearnerError(f"{name} returned the same sequence twice")
+    return list(chosen)
+
+
+def simulate(specs: list[Spec], admit, finished, preempt, num_blocks: int, block_size: int,
+             max_batch_size: int, policy: str = "continuous", max_steps: int = 5000) -> SimResult:
+    """Run ``specs`` to the end under the three rules; ``policy`` "continuous" or "static".
+
+    continuous: admission every step (except a step that had to preempt while others still run), and a
+    finished sequence frees its blocks at once. static: a batch is admitted only when nothing runs, and
+    its finished sequences keep their blocks until the whole batch is done.
+    """
+    if policy not in ("continuous", "static"):
+        raise ValueError(f"policy={policy!r} must be 'continuous' or 'static'")
+    seqs = [Seq(i, s.prompt_len, s.max_tokens, s.eos_at, s.ignore_eos, s.arrival_step) for i, s in enumerate(specs)]
+    pending = deque(sorted(seqs, key=lambda s: s.arrival_step))
+    waiting: deque[Seq] = deque()
+    running: list[Seq] = []
+    held_back: list[Seq] = []  # static: finished, still holding their blocks
+    free = deque(range(num_blocks))
+    result = SimResult(policy, 0, seqs, [])
+
+    def release(seq: Seq) -> None:
+        free.extend(seq.blocks)
+        seq.blocks = []
+
+    def grow(seq: Seq) -> None:
+        for _ in range(_need(seq, block_size)):
+            seq.blocks.append(free.popleft())
+
+    step = 0
+    while pending or waiting or running:
+        if step >= max_steps:
+            result.violations.append(f"the run did not end within {max_steps} steps")
+            break
+        while pending and pending[0].arrival_step <= step:
+            waiting.append(pending.popleft())
+        preempted = False
+        if sum(_need(s, block_size) for s in running) > len(free):
+            victims = _members("preempt", call(preempt, list(running), len(free), block_size), running)
+            for victim in victims:  # newest first: the oldest victim ends up at the front of the queue
+                running.remove(victim)
+                release(victim)
+                waiting.appendleft(victim)
+            preempted, result.preemptions = bool(victims), result.preemptions + len(victims)
+            short = sum(_need(s, block_size) for s in running) - len(free)
+            if short > 0:
+                result.violations.append(f"step {step}: after preempt, the running sequences still need "
+                                         f"{short} more block(s) than are free")
+                break
+        for s in running:
+            grow(s)
+        may_admit = (not preempted or not running) if policy == "continuous" else not (running or held_back)
+        if may_admit and waiting:
+            chosen = _members("admit", call(admit, list(waiting), list(running), len(free), block_size,
+                                            max_batch_size), list(waiting))
+            need = sum(_need(s, block_size) for s in chosen)
+            if len(running) + len(chosen) > max_batch_size:
+                result.violations.append(f"step {step}: admit let the batch grow to "
+                                         f"{len(running) + len(chosen)} sequences (limit {max_batch_size})")
+                break
+            if need > len(free):
+                result.violations.append(f"step {step}: admit chose sequences that need {need} blocks "
+                                         f"with only {len(free)} free")
+                break
+            for s in chosen:
+                waiting.remove(s)
+                grow(s)
+                running.append(s)
+        if waiting and not running and not held_back:
+            result.violations.append(f"step {step}: nothing runs and admit starts no one, although the "
+                                     "first waiting request fits the empty pool")
+            break
+        result.peak_blocks = max(result.peak_blocks, num_blocks - len(free))
+        result.peak_batch = max(result.peak_batch, len(running))
+        result.running_per_step.append(len(running))
+        for s in running:
+            s.output.append(EOS if s.eos_at == len(s.output) + 1 else 100 + len(s.output))
+            s.token_steps.append(step)
+        for s in list(running):
+            done = call(finished, s, EOS)
+            if not isinstance(done, bool):
+                raise wrong_value("finished", done, "True or False")
+            if not done and len(s.output) >= s.max_tokens:
+                result.violations.append(f"request {s.request_id} was not finished after its "
+                                         f"max_tokens={s.max_tokens} tokens")
+                done = True  # the simulator stops it, so that the run ends
+            if done:
+                running.remove(s)
+                s.finish_step = step
+                if policy == "static":
+                    held_back.append(s)
+                else:
+                    release(s)
+        if not running:
+            for s in held_back:
+                release(s)
+            held_back.clear()
+        step += 1
+    result.steps = step
+    return result

@@ -1,0 +1,335 @@
+"""The labs' checker: hidden cases run against a learner's functions, one line per property.
+
+A lab registers ``Task``s; each task needs one or more of the learner's functions (by name) and holds
+``Property``s. A property calls the learner's code only through :func:`call`, so an exception raised
+there, or a value of the wrong type, becomes one readable sentence (with the learner's own line), not a
+traceback from deep inside the library. Each property scores one point.
+"""
+from __future__ import annotations
+
+import linecache
+import numbers
+import os
+import sysconfig
+import textwrap
+import traceback
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from ..notebook import WIDTH
+
+NOT_WRITTEN = "not written yet: it still raises NotImplementedError"
+
+
+class Mismatch(AssertionError):
+    """A property does not hold; the message says what was seen, never the answer."""
+
+
+class LearnerError(Exception):
+    """The learner's function raised, or returned something unusable; the message is for the learner."""
+
+    def __init__(self, message: str, not_written: bool = False):
+        super().__init__(message)
+        self.not_written = not_written
+
+
+@dataclass(frozen=True)
+class Property:
+    """One checked behaviour: ``run(functions)`` returns when it holds and raises Mismatch when not."""
+
+    name: str
+    hint: str
+    run: Callable[[dict], None]
+
+
+@dataclass(frozen=True)
+class Task:
+    """The properties checked for one function of a lab, or for several working together."""
+
+    name: str
+    lab: str  # "2.1"
+    needs: tuple[str, ...]  # the learner's function names this task calls
+    properties: tuple[Property, ...]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one property gave on the learner's code."""
+
+    name: str
+    passed: bool
+    detail: str = ""  # what went wrong, when it failed
+    hint: str = ""
+    not_written: bool = False
+
+
+@dataclass(frozen=True)
+class Report:
+    """The outcome of every property of one task."""
+
+    task: str
+    lab: str
+    outcomes: tuple[Outcome, ...]
+
+    @property
+    def passed(self) -> int:
+        return sum(o.passed for o in self.outcomes)
+
+    @property
+    def total(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def all_passed(self) -> bool:
+        return self.passed == self.total
+
+    @property
+    def not_written(self) -> bool:
+        return all(o.not_written for o in self.outcomes)
+
+    def text(self, brief: bool = False) -> str:
+        """The report as the learner reads it, at most ``WIDTH`` characters a line. ``brief``: one line
+        for a task that passes or is not written yet."""
+        head = f"{self.task}: {self.passed} of {self.total} checks pass"
+        if self.not_written:
+            reason = self.outcomes[0].detail.replace(f"{self.task} is not written", "not written")
+            lines = [_wrap(f"{head} ({reason}).", "", "  ")]
+            if not brief:
+                lines.append("  It will be checked for:")
+                lines += [_wrap(o.name, "    - ", "      ") for o in self.outcomes]
+            return "\n".join(lines)
+        lines = [head + (" -- well done." if self.all_passed else ".")]
+        if brief and self.all_passed:
+            return lines[0]
+        for o in self.outcomes:
+            lines.append(_wrap(o.name, "  ok    " if o.passed else "  FAIL  ", " " * 8))
+            if not o.passed:
+                lines.append(_wrap(o.detail, "        seen: ", " " * 14))
+                lines.append(_wrap(o.hint, "        hint: ", " " * 14))
+        return "\n".join(lines)
+
+
+def _wrap(text: str, first: str, rest: str) -> str:
+    return textwrap.fill(text, WIDTH, initial_indent=first, subsequent_indent=rest,
+                         break_long_words=True, break_on_hyphens=False)
+
+
+# --- calling the learner's code -------------------------------------------------------------------
+
+_LIBRARY_DIRS = tuple(os.path.realpath(p) for p in {
+    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # minillm itself
+})
+
+
+def _is_learner_frame(filename: str) -> bool:
+    if filename.startswith("<frozen"):
+        return False
+    path = os.path.realpath(filename) if not filename.startswith("<") else filename
+    return not path.startswith(_LIBRARY_DIRS)
+
+
+def _where(exc: BaseException) -> str:
+    """' (line N of your cell: `code`)' for the deepest frame of the learner's own code, or ''."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_learner_frame(f.filename)]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+    name = frame.filename
+    place = "your cell" if "ipykernel" in name or name.startswith("<") else os.path.basename(name)
+    code = f": `{line}`" if line else ""
+    return f" (line {frame.lineno} of {place}{code})"
+
+
+def call(function: Callable, *args, **kwargs):
+    """Call a learner's function; whatever it raises becomes a LearnerError with a readable message."""
+    name = getattr(function, "__name__", "your function")
+    try:
+        return function(*args, **kwargs)
+    except NotImplementedError as exc:
+        raise LearnerError(f"{name} is {NOT_WRITTEN}", not_written=True) from exc
+    except LearnerError:
+        raise
+    except Exception as exc:  # any error of the learner's code is reported, not raised
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if len(message) > 160:
+            message = message[:157] + "..."
+        raise LearnerError(f"{name} raised {type(exc).__name__}"
+                           f"{': ' + message if message else ''}{_where(exc)}") from exc
+
+
+def describe(value) -> str:
+    """A short description of a value's type (and shape), for messages."""
+    if isinstance(value, torch.Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
+    if value is None:
+        return "None"
+    kind = type(value)
+    module = "" if kind.__module__ == "builtins" else kind.__module__.split(".")[0] + "."
+    name = module + kind.__name__
+    article = "an" if name[0] in "aeiou" else "a"
+    return f"{article} {name}" + (f" of length {len(value)}" if isinstance(value, (list, tuple)) else "")
+
+
+def wrong_value(name: str, value, expected: str, what: str = "returned") -> LearnerError:
+    """The error for a value of the wrong kind: '<name> returned None; expected ... (is ... missing?)'."""
+    missing = " (is a return statement missing?)" if value is None and what == "returned" else ""
+    return LearnerError(f"{name} {what} {describe(value)}; expected {expected}{missing}")
+
+
+def expect_tensor(name: str, value, shape: tuple[int, ...], floating: bool = True, what: str = "returned"):
+    """``value`` if it is a tensor of ``shape``; else a LearnerError saying what was expected."""
+    if not isinstance(value, torch.Tensor):
+        raise wrong_value(name, value, f"a torch.Tensor of shape {shape}", what)
+    if tuple(value.shape) != tuple(shape):
+        raise LearnerError(f"{name} {what} a tensor of shape {tuple(value.shape)}; expected {tuple(shape)}")
+    if floating and not value.is_floating_point():
+        raise LearnerError(f"{name} {what} a {str(value.dtype).removeprefix('torch.')} tensor; expected "
+                           "floating-point values")
+    return value
+
+
+def expect_number(name: str, value, integer: bool = False):
+    """``value`` as a float (or int) if it is a plain number (a 0-d tensor is accepted)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise wrong_value(name, value, "an integer" if integer else "a number")
+    if integer and not float(value).is_integer():
+        raise LearnerError(f"{name} returned {value!r}; expected a whole number")
+    return int(value) if integer else float(value)
+
+
+# --- the registry and the entry points -------------------------------------------------------------
+
+TASKS: dict[str, Task] = {}
+
+
+def register(*tasks: Task) -> None:
+    for task in tasks:
+        TASKS[task.name] = task
+
+
+def lab_tasks(lab: str) -> list[Task]:
+    return [t for t in TASKS.values() if t.lab == lab]
+
+
+def function_names(lab: str | None = None) -> list[str]:
+    """The names of the functions learners write (in one lab, or in all of them)."""
+    names = []
+    for task in TASKS.values():
+        if lab is None or task.lab == lab:
+            names += [n for n in task.needs if n not in names]
+    return names
+
+
+@contextmanager
+def _one_thread():
+    """The hidden cases use small tensors: one thread is faster than several, and far steadier on a
+    shared machine (intra-op threads wait for each other)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_task(task: Task, functions: dict) -> Report:
+    with _one_thread():
+        return _run_task(task, functions)
+
+
+def _run_task(task: Task, functions: dict) -> Report:
+    outcomes = []
+    for prop in task.properties:
+        try:
+            prop.run(functions)
+        except Mismatch as exc:
+            outcomes.append(Outcome(prop.name, False, str(exc), prop.hint))
+        except LearnerError as exc:
+            outcomes.append(Outcome(prop.name, False, str(exc), prop.hint, exc.not_written))
+        else:
+            outcomes.append(Outcome(prop.name, True))
+    return Report(task.name, task.lab, tuple(outcomes))
+
+
+def _collect(args: tuple, kwargs: dict) -> dict:
+    """{name: function} from check's arguments; a ValueError (read by the learner) for anything else."""
+    functions = {}
+    known = function_names()
+    for f in args:
+        name = getattr(f, "__name__", None)
+        if not callable(f) or name is None:
+            raise ValueError(f"check takes your lab functions, e.g. check(causal_attention); got {describe(f)}")
+        if name not in known:
+            raise ValueError(f"no lab has a function named {name!r}; define it with its lab name "
+                             f"(def causal_attention...) or pass it by that name, e.g. "
+                             f"check(causal_attention=my_function). Lab functions: {', '.join(known)}")
+        functions[name] = f
+    for name, f in kwargs.items():
+        if name not in known:
+            raise ValueError(f"no lab has a function named {name!r}. Lab functions: {', '.join(known)}")
+        if not callable(f):
+            raise ValueError(f"{name} must be a function; got {describe(f)}")
+        functions[name] = f
+    if not functions:
+        raise ValueError("give check at least one of your functions, e.g. check(causal_attention)")
+    return functions
+
+
+def grade(*functions: Callable, **named: Callable) -> list[Report]:
+    """Run every task whose functions are all given; the reports, in registration order."""
+    given = _collect(functions, named)
+    return [run_task(t, given) for t in TASKS.values() if set(t.needs) <= set(given)]
+
+
+def check(*functions: Callable, **named: Callable) -> None:
+    """Check your functions against the hidden cases and print what passes, what fails and a hint."""
+    try:
+        reports = grade(*functions, **named)
+    except ValueError as exc:
+        print(_wrap(str(exc), "check: ", "       "))
+        return
+    # With a task that needs several functions, the single-function tasks (each with its own check cell)
+    # shrink to one line when they pass or are not written yet.
+    joint = any(len(TASKS[r.task].needs) > 1 for r in reports)
+    print("\n\n".join(r.text(brief=joint and len(TASKS[r.task].needs) == 1) for r in reports))
+
+
+def score_table(reports: list[Report], title: str) -> str:
+    """One line per task, and the total, as ``passed / total``."""
+    width = max([len(r.task) for r in reports] + [5]) + 4
+    lines = [title]
+    lines += [f"  {r.task:<{width}}{r.passed:>3} / {r.total}" for r in reports]
+    passed, total = sum(r.passed for r in reports), sum(r.total for r in reports)
+    lines.append(f"  {'total':<{width}}{passed:>3} / {total}  ({100 * passed / max(total, 1):.0f}%)")
+    return "\n".join(lines)
+
+
+def score(*functions: Callable, **named: Callable) -> None:
+    """Print the score of every task the given functions complete (one line each) and the total."""
+    try:
+        reports = grade(*functions, **named)
+    except ValueError as exc:
+        print(_wrap(str(exc), "score: ", "       "))
+        return
+    labs = sorted({r.lab for r in reports})
+    print(score_table(reports, f"Lab {', '.join(labs)} score"))
+
+
+def ready(*functions: Callable) -> bool:
+    """True when every task of these functions passes; otherwise say so (for the labs' payoff cells)."""
+    reports = grade(*functions)
+    passed, total = sum(r.passed for r in reports), sum(r.total for r in reports)
+    if passed == total:
+        return True
+    names = ", ".join(getattr(f, "__name__", "?") for f in functions)
+    verb = "passes" if len(functions) == 1 else "pass"
+    print(_wrap(f"Not yet: this cell runs once {names} {verb} every check (now {passed} of {total}). "
+                "The check cells above say what is missing.", "", ""))
+    return False

@@ -1,0 +1,431 @@
+"""Lab 2.1: rotary embedding, causal attention with grouped KV heads, and the sampling filter.
+
+The learner writes ``apply_rope``, ``causal_attention`` and ``next_token_probs``. The hidden cases compare
+them with minillm's own model and sampler; ``learner_attention`` puts the first two inside any
+``CausalLM`` (the tiny model in the checks, SmolLM2 in the lab), and ``write_text`` is the lab's payoff.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from ...cache import KVCache
+from ...generate import generate
+from ...model import RotaryEmbedding, apply_rotary, causal_mask
+from ...sampling import SamplingParams, filtered_probs
+from .cases import assert_close, encode_prompt, randint, randn, show_text, tiny_model
+from .checker import LearnerError, Mismatch, Property, Task, call, expect_tensor, register
+
+BHTD = ("row", "head", "position", "element")
+
+
+# --- references (minillm's own pieces) -------------------------------------------------------------
+
+def _rope_reference(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    cos, sin = RotaryEmbedding(x.shape[-1], theta)(positions, x.dtype)  # (B, 1, T, D)
+    return apply_rotary(x, cos, sin)
+
+
+def _attention_reference(q, k, v, positions):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # (B, H, S, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(positions, k.shape[2]))
+
+
+# --- apply_rope -------------------------------------------------------------------------------------
+
+def _rope(fns, x, positions, theta=10000.0):
+    out = call(fns["apply_rope"], x.clone(), positions.clone(), theta)
+    return expect_tensor("apply_rope", out, tuple(x.shape))
+
+
+def _rope_shape(fns):
+    _rope(fns, randn(2, 3, 5, 8, seed=1), torch.arange(5).expand(2, 5))
+
+
+def _rope_zero(fns):
+    x = randn(1, 2, 3, 8, seed=2)
+    assert_close(_rope(fns, x, torch.zeros(1, 3, dtype=torch.long)), x, "the output at position 0",
+                 dims=BHTD)
+
+
+def _rope_length(fns):
+    x, positions = randn(1, 2, 6, 8, seed=3), randint(500, (1, 6), seed=3)
+    out = _rope(fns, x, positions)
+    assert_close(out.norm(dim=-1), x.norm(dim=-1), "the length of each vector", atol=1e-3,
+                 dims=BHTD[:3])
+
+
+def _rope_matches(theta):
+    def run(fns):
+        x, positions = randn(1, 2, 7, 16, seed=4), torch.tensor([[0, 1, 2, 3, 10, 100, 1000]])
+        assert_close(_rope(fns, x, positions, theta), _rope_reference(x, positions, theta),
+                     f"the rotated vectors (theta={theta:g})", dims=BHTD)
+    return run
+
+
+def _rope_rows(fns):
+    x, positions = randn(2, 3, 4, 8, seed=5), torch.tensor([[0, 1, 2, 3], [7, 8, 9, 10]])
+    assert_close(_rope(fns, x, positions), _rope_reference(x, positions, 10000.0),
+                 "the rotated vectors of a batch whose rows sit at different positions", dims=BHTD)
+
+
+def _rope_relative(fns):
+    q, k = randn(1, 1, 1, 8, seed=6), randn(1, 1, 1, 8, seed=7)
+    dots = []
+    for shift in (0, 5, 50):
+        rq = _rope(fns, q, torch.tensor([[3 + shift]]))
+        rk = _rope(fns, k, torch.tensor([[1 + shift]]))
+        dots.append(float((rq * rk).sum()))
+    if max(dots) - min(dots) > 1e-3:
+        raise Mismatch(f"q at position 3 and k at position 1 give q.k = {dots[0]:.4f}; shifted by 5 and by 50 "
+                       f"positions they give {dots[1]:.4f} and {dots[2]:.4f}")
+
+
+ROPE = Task("apply_rope", "2.1", ("apply_rope",), (
+    Property("returns a tensor shaped like x, (B, H, T, D)",
+             "Compute the result from x and return it as one tensor (not a tuple).", _rope_shape),
+    Property("position 0 leaves a vector unchanged",
+             "At position 0 every angle is 0: cos = 1 and sin = 0.", _rope_zero),
+    Property("keeps the length of every vector (it is a rotation)",
+             "Each pair (a, b) turns by an angle: the new pair mixes a and b with cos and sin of the same "
+             "angle; nothing is scaled.", _rope_length),
+    Property("matches the rotation of LLaMA / SmolLM2 (theta 10000)",
+             "Pair element i with element i + D/2 (the rotate-half layout), not with i + 1, and give "
+             "pair i the angle position * theta ** (-2i / D).", _rope_matches(10000.0)),
+    Property("uses the theta it is given (SmolLM2 uses 100000)",
+             "Use the theta argument in the frequencies, not a constant.", _rope_matches(100000.0)),
+    Property("each row of a batch rotates by its own positions",
+             "positions is (B, T); give it a head dimension of size 1 so that it lines up with x's "
+             "(B, H, T, D).", _rope_rows),
+    Property("q . k depends only on the distance between their positions",
+             "This follows from a correct rotation: check the angle of each pair.", _rope_relative),
+))
+
+
+# --- causal_attention --------------------------------------------------------------------------------
+
+def _attend(fns, q, k, v, positions):
+    originals = [t.clone() for t in (q, k, v, positions)]
+    out = call(fns["causal_attention"], q, k, v, positions)
+    out = expect_tensor("causal_attention", out, tuple(q.shape))
+    if any(not torch.equal(a, b) for a, b in zip(originals, (q, k, v, positions))):
+        raise LearnerError("causal_attention changed one of its inputs in place (q, k, v or positions); "
+                           "compute new tensors instead")
+    return out
+
+
+def _case(b, h, h_kv, t, s, d, seed):
+    return randn(b, h, t, d, seed=seed), randn(b, h_kv, s, d, seed=seed + 1), randn(b, h_kv, s, d, seed=seed + 2)
+
+
+def _att_shape(fns):
+    q, k, v = _case(1, 4, 2, 5, 5, 8, seed=10)
+    _attend(fns, q, k, v, torch.arange(5)[None])
+
+
+def _att_single(fns):
+    q, k, v = _case(1, 1, 1, 1, 1, 4, seed=20)
+    assert_close(_attend(fns, q, k, v, torch.tensor([[0]])), v, "the output of one query over one key",
+                 dims=BHTD)
+
+
+def _att_last_query(fns):
+    q, k, v = _case(1, 2, 2, 1, 6, 16, seed=30)
+    positions = torch.tensor([[5]])
+    assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
+                 "the output of a query that sees all 6 keys", dims=BHTD)
+
+
+def _att_causal(fns):
+    q, k, v = _case(1, 2, 2, 5, 5, 8, seed=40)
+    positions = torch.arange(5)[None]
+    before = _attend(fns, q, k, v, positions)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 4], v2[:, :, 4] = 10.0, -10.0
+    after = _attend(fns, q, k2, v2, positions)
+    changed = (after[:, :, :4] - before[:, :, :4]).abs().amax(dim=(0, 1, 3))  # (4,)
+    if bool((changed > 1e-5).any()):
+        first = int((changed > 1e-5).nonzero()[0])
+        raise Mismatch(f"changing the key and value at position 4 changed the output of the query at "
+                       f"position {first}")
+
+
+def _att_prefill(fns):
+    q, k, v = _case(2, 2, 2, 6, 6, 8, seed=50)
+    positions = torch.arange(6).expand(2, 6)
+    assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
+                 "a 6-token prefill", dims=BHTD)
+
+
+def _att_grouped(fns):
+    q, k, v = _case(1, 6, 2, 4, 4, 8, seed=60)
+    positions = torch.arange(4)[None]
+    assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
+                 "6 query heads over 2 kv heads", dims=BHTD)
+
+
+def _att_decode_rows(fns):
+    q, k, v = _case(2, 4, 2, 1, 6, 8, seed=70)
+    positions = torch.tensor([[2], [5]])
+    assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
+                 "a decode step with row 0 at position 2 and row 1 at position 5 (6 keys)", dims=BHTD)
+
+
+def _att_chunk(fns):
+    q, k, v = _case(1, 2, 1, 3, 6, 8, seed=80)
+    positions = torch.tensor([[3, 4, 5]])
+    assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
+                 "queries at positions 3, 4, 5 over keys 0..5", dims=BHTD)
+
+
+MASK_HINT = ("Key j is visible to a query at position p exactly when j <= p. Build the mask from "
+             "positions (B, T) and the key indices 0..S-1, not from T alone: a decode step's one query "
+             "sits at the end, not at index 0.")
+ATTENTION = Task("causal_attention", "2.1", ("causal_attention",), (
+    Property("returns (B, H, T, D), a tensor shaped like q",
+             "The output has one vector per query head and query position.", _att_shape),
+    Property("one query and one key: the output is that key's value",
+             "The softmax over a single key is 1; then the output is weights @ v.", _att_single),
+    Property("a query that sees every key gets softmax(q . k / sqrt(D)) v",
+             "Scale the scores by 1 / sqrt(D), D = q.shape[-1], and take the softmax over the keys "
+             "(the last dimension of the scores).", _att_last_query),
+    Property("a query never sees a key after its own position (causal mask)",
+             "Set the scores of hidden keys to -inf before the softmax. " + MASK_HINT, _att_causal),
+    Property("a 6-token prefill of two sequences matches",
+             "Check the scale, the softmax dimension and the mask one at a time on a small case.",
+             _att_prefill),
+    Property("grouped heads: query head h reads kv head h // (H // H_kv)",
+             "Heads 0..G-1 share kv head 0, heads G..2G-1 share kv head 1 (G = H // H_kv): repeat each "
+             "kv head G times in a row, not the whole stack G times.", _att_grouped),
+    Property("a decode step: rows at different positions in one batch",
+             MASK_HINT, _att_decode_rows),
+    Property("a chunk that continues a sequence: queries at positions 3..5 over keys 0..5",
+             MASK_HINT, _att_chunk),
+))
+
+
+# --- both, inside a real model ----------------------------------------------------------------------
+
+def _learner_forward(attn, apply_rope, causal_attention, theta):
+    """A forward for one of minillm's Attention modules that calls the learner's two functions."""
+    def forward(x, cos, sin, positions, mask, cache=None, record_weights=False):
+        B, T, _ = x.shape
+        q = attn.q_proj(x).view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = attn.k_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = attn.v_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
+        q = expect_tensor("apply_rope", call(apply_rope, q, positions, theta), tuple(q.shape))
+        k = expect_tensor("apply_rope", call(apply_rope, k, positions, theta), tuple(k.shape))
+        if cache is not None:
+            k, v = cache.update(attn.layer_idx, k, v, positions)  # (B, Hkv, S, D), index = position
+        out = call(causal_attention, q, k, v, positions)
+        out = expect_tensor("causal_attention", out, (B, attn.n_heads, T, attn.head_dim))
+        return attn.o_proj(out.transpose(1, 2).reshape(B, T, attn.n_heads * attn.head_dim))
+    return forward
+
+
+@contextmanager
+def learner_attention(model, apply_rope, causal_attention):
+    """Within the block, every attention layer of ``model`` runs the learner's two functions."""
+    layers = [layer.self_attn for layer in model.model.layers]
+    for attn in layers:
+        attn.forward = _learner_forward(attn, apply_rope, causal_attention, model.config.rope_theta)
+    try:
+        yield model
+    finally:
+        for attn in layers:
+            del attn.forward  # back to the class's own forward
+
+
+@torch.inference_mode()
+def _same_logits(fns, run, what, dims=("row", "step", "token")):
+    """``run()``, the tiny model's logits, with the learner's attention equals it with minillm's."""
+    expected = run()
+    with learner_attention(tiny_model(), fns["apply_rope"], fns["causal_attention"]):
+        got = run()
+    assert_close(got, expected, what, atol=1e-3, dims=dims)
+
+
+def _model_no_cache(fns):
+    model, ids = tiny_model(), randint(256, (2, 10), seed=90)
+    _same_logits(fns, lambda: model(ids), "the tiny model's logits", dims=("row", "position", "token"))
+
+
+def _model_cached(fns):
+    model = tiny_model()
+    ids = randint(256, (1, 12), seed=91)
+
+    def run():
+        cache = KVCache(model.config, 1, 16)
+        logits = [model(ids[:, :9], cache=cache)[:, -1]]
+        for t in range(9, 12):  # three decode steps, one token each
+            logits.append(model(ids[:, t:t + 1], cache=cache)[:, -1])
+        return torch.stack(logits, 1)  # (1, 4, vocab)
+
+    _same_logits(fns, run, "the logits of a prefill and three cached decode steps")
+
+
+def _model_ragged(fns):
+    model = tiny_model()
+    ids = randint(256, (2, 8), seed=92)
+    lengths = torch.tensor([5, 8])
+
+    def run():
+        cache = KVCache(model.config, 2, 12)
+        model(ids, cache=cache)  # row 0's positions 5..7 hold padding, overwritten before they are read
+        positions = lengths[:, None].clone()  # (2, 1): each row at its own position
+        steps = []
+        for step in range(3):
+            token = randint(256, (2, 1), seed=93 + step)
+            steps.append(model(token, positions, cache)[:, -1])
+            positions += 1
+        return torch.stack(steps, 1)  # (2, 3, vocab)
+
+    _same_logits(fns, run, "the logits of rows decoding at positions 5 and 8")
+
+
+MODEL = Task("attention inside the tiny model", "2.1", ("apply_rope", "causal_attention"), (
+    Property("the tiny model with your attention gives minillm's logits (no cache)",
+             "Pass the checks of apply_rope and causal_attention first; the model calls them with "
+             "q: (B, 8, T, 32) and k, v: (B, 2, S, 32).", _model_no_cache),
+    Property("... and with the KV cache: a prefill, then three decode steps",
+             "With a cache, k and v hold S keys indexed by position while q holds only the new T "
+             "queries: mask by position.", _model_cached),
+    Property("... and two rows decoding together at different positions",
+             MASK_HINT, _model_ragged),
+))
+
+
+# --- next_token_probs ----------------------------------------------------------------------------------
+
+def _probs(fns, logits, temperature, top_k, top_p):
+    original = logits.clone()
+    out = call(fns["next_token_probs"], logits, temperature, top_k, top_p)
+    out = expect_tensor("next_token_probs", out, tuple(logits.shape))
+    if not torch.equal(logits, original):
+        raise LearnerError("next_token_probs changed the logits passed in; work on a copy "
+                           "(logits / temperature makes one)")
+    return out
+
+
+def _expected(logits, temperature, top_k, top_p):
+    return filtered_probs(logits, SamplingParams(temperature, top_k, top_p))
+
+
+def _sampling_case(temperature, top_k, top_p, what, seed, rows=2, vocab=50):
+    def run(fns):
+        logits = randn(rows, vocab, seed=seed) * 3
+        assert_close(_probs(fns, logits, temperature, top_k, top_p),
+                     _expected(logits, temperature, top_k, top_p), what, atol=1e-5, dims=("row", "token"))
+    return run
+
+
+def _temperatures(fns):
+    for temperature in (0.5, 2.0):
+        _sampling_case(temperature, 0, 1.0, f"the distribution at temperature {temperature}", 105)(fns)
+
+
+def _probs_valid(fns):
+    probs = _probs(fns, randn(3, 20, seed=100) * 3, 1.0, 0, 1.0)
+    if bool((probs < 0).any()):
+        raise Mismatch(f"a probability is negative ({float(probs.min()):.3g})")
+    sums = probs.sum(-1)
+    if bool(((sums - 1).abs() > 1e-4).any()):
+        raise Mismatch(f"the rows sum to {[round(float(s), 4) for s in sums]}, not 1")
+
+
+def _greedy(fns):
+    logits = randn(2, 30, seed=101)
+    probs = _probs(fns, logits, 0.0, 0, 1.0)
+    expected = F.one_hot(logits.argmax(-1), 30).float()
+    assert_close(probs, expected, "the distribution at temperature 0", atol=1e-6, dims=("row", "token"))
+
+
+def _top_p_boundary(fns):
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    probs = _probs(fns, logits, 1.0, 0, 0.75)
+    kept = int((probs > 0).sum())
+    if kept != 2:
+        raise Mismatch(f"with probabilities 0.5, 0.3, 0.15, 0.05 and top_p=0.75, {kept} token(s) keep "
+                       "some probability")
+    assert_close(probs, _expected(logits, 1.0, 0, 0.75), "the renormalized nucleus", atol=1e-5,
+                 dims=("row", "token"))
+
+
+def _rows_apart(fns):
+    logits = torch.cat([randn(1, 40, seed=102) * 0.5, randn(1, 40, seed=103) * 8])  # flat and peaked rows
+    assert_close(_probs(fns, logits, 0.9, 10, 0.8), _expected(logits, 0.9, 10, 0.8),
+                 "a batch of one flat and one peaked row", atol=1e-5, dims=("row", "token"))
+
+
+SAMPLING = Task("next_token_probs", "2.1", ("next_token_probs",), (
+    Property("returns probabilities: shape (B, V), none negative, each row summing to 1",
+             "Turn logits into probabilities with a softmax over the last dimension.", _probs_valid),
+    Property("temperature 1 with no cuts is the softmax of the logits",
+             "With top_k 0 and top_p 1.0 nothing is cut.", _sampling_case(1.0, 0, 1.0, "the softmax", 104)),
+    Property("temperature divides the logits: 0.5 sharpens, 2.0 flattens",
+             "Divide the logits by the temperature before the softmax (not the probabilities).",
+             _temperatures),
+    Property("temperature 0 is greedy: all the mass on the largest logit",
+             "Dividing by 0 is not defined: treat temperature 0 as its own case (a one-hot row).", _greedy),
+    Property("top-k keeps the k most likely tokens, renormalized",
+             "Set every logit below the k-th largest to -inf before the softmax; top_k 0 means no cut.",
+             _sampling_case(1.0, 5, 1.0, "the top-5 distribution", 106)),
+    Property("top-p keeps the smallest set of most likely tokens whose mass reaches p",
+             "Sort the probabilities, add them up from the most likely; keep a token while the mass "
+             "before it is below p (so the token that crosses p stays), then renormalize.",
+             _top_p_boundary),
+    Property("temperature, then top-k, then top-p, together",
+             "Apply them in this order: temperature on the logits, top-k on the logits, softmax, top-p "
+             "on the probabilities.", _sampling_case(0.7, 8, 0.6, "the filtered distribution", 107)),
+    Property("each row of a batch is filtered on its own",
+             "Sort, sum and cut along the last dimension only, row by row.", _rows_apart),
+))
+
+register(ROPE, ATTENTION, MODEL, SAMPLING)
+
+
+# --- the payoff ------------------------------------------------------------------------------------------
+
+@torch.inference_mode()
+def _generate(model, ids: list[int], max_new_tokens: int, pick, eos_token_id) -> list[int]:
+    """Cached generation, the next token chosen by ``pick(logits (1, V)) -> int``."""
+    cache = KVCache(model.config, 1, len(ids) + max_new_tokens, model.device, model.dtype)
+    logits = model(torch.tensor([ids], device=model.device), cache=cache)[:, -1]  # (1, V)
+    out = []
+    for _ in range(max_new_tokens):
+        token = pick(logits)
+        out.append(token)
+        if token == eos_token_id or len(out) == max_new_tokens:
+            break
+        logits = model(torch.tensor([[token]], device=model.device), cache=cache)[:, -1]
+    return out
+
+
+def write_text(model, tokenizer, apply_rope, causal_attention, next_token_probs, prompt: str,
+               max_new_tokens: int = 24, temperature: float = 0.8, top_k: int = 50, top_p: float = 0.9,
+               seed: int = 0) -> None:
+    """The model answers ``prompt`` with the learner's attention (greedy, then sampled with the learner's
+    ``next_token_probs``), next to its greedy answer with minillm's attention. Call it once ``ready``
+    passes for the three functions."""
+    ids, eos = encode_prompt(tokenizer, prompt), tokenizer.eos_token_id
+    reference = generate(model, ids, max_new_tokens, eos_token_id=eos)
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+
+    def sampled(logits):
+        probs = call(next_token_probs, logits.float(), temperature, top_k, top_p)  # (1, V)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    with learner_attention(model, apply_rope, causal_attention):
+        greedy = _generate(model, ids, max_new_tokens, lambda logits: int(logits.argmax(-1)), eos)
+        drawn = _generate(model, ids, max_new_tokens, sampled, eos)
+    agree = sum(a == b for a, b in zip(greedy, reference))
+    show_text("prompt: ", prompt)
+    show_text("greedy, minillm's attention: ", tokenizer.decode(reference))
+    show_text("greedy, your attention:      ", tokenizer.decode(greedy))
+    print(f"    the two agree on {agree} of {len(reference)} tokens")
+    print(f"sampled with your attention and next_token_probs (temperature {temperature}, top-k {top_k},\n"
+          f"    top-p {top_p}, seed {seed}):")
+    show_text("    ", tokenizer.decode(drawn))

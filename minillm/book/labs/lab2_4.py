@@ -1,0 +1,294 @@
+"""Lab 2.4: serving metrics from timestamps (vLLM's definitions) and a capacity plan.
+
+The learner writes ``ttft``, ``tpot``, ``itls``, ``e2e``, ``throughput``, ``goodput`` and
+``devices_needed``; :mod:`minillm.analysis.metrics` and :mod:`minillm.analysis.arithmetic` are the reference.
+``compare_metrics`` and ``compare_plan`` are the lab's payoff, on timestamps the lab measures.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+from ...analysis.capacity import plan_capacity, plan_for_slo
+from ...analysis.metrics import SLO, RequestTiming, e2e_latency, serving_metrics
+from ...analysis.metrics import itls as reference_itls
+from ...analysis.metrics import tpot as reference_tpot
+from ...analysis.metrics import ttft as reference_ttft
+from .cases import show_text
+from .checker import LearnerError, Mismatch, Property, Task, call, expect_number, register, wrong_value
+
+
+def _r(arrival: float, *times: float, prompt_len: int = 10) -> RequestTiming:
+    return RequestTiming(arrival, list(times), prompt_len)
+
+
+# Hidden requests: arrival, token times (s). Times are multiples of 1/64 so sums are exact.
+QUEUED = _r(1.0, 1.75, 1.8125, 1.875, 2.0)  # waited, then four tokens with uneven gaps
+PROMPT = _r(0.0, 0.25, 0.3125, 0.375, 0.4375, 0.5)
+SLOW_START = _r(0.0, 2.25, 2.3125, 2.375, 2.4375, 2.5)  # same gaps as PROMPT, later first token
+ONE = _r(0.5, 0.875)
+NONE = _r(0.25)
+
+
+def _value(fns, name, request):
+    return expect_number(name, call(fns[name], request))
+
+
+def _same(got: float, expected: float, what: str) -> None:
+    if not math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12):
+        raise Mismatch(f"{what}: got {got:.6g}")
+
+
+def _per_request(name, reference, requests, what):
+    def run(fns):
+        for request in requests:
+            _same(_value(fns, name, request), reference(request),
+                  f"{what} of a request arriving at {request.arrival_time} s with tokens at "
+                  f"{list(request.token_times)} s")
+    return run
+
+
+TTFT = Task("ttft", "2.4", ("ttft",), (
+    Property("returns a number of seconds", "Return a float.", _per_request("ttft", reference_ttft, [PROMPT],
+                                                                            "TTFT")),
+    Property("first token time - arrival time, the wait in the queue included",
+             "TTFT starts when the request arrives, not when it starts running.",
+             _per_request("ttft", reference_ttft, [QUEUED, ONE, SLOW_START], "TTFT")),
+))
+
+
+def _tpot_one(fns):
+    value = call(fns["tpot"], ONE)
+    if value is not None:
+        raise Mismatch(f"for a request with one token, tpot returned {value!r}")
+
+
+TPOT = Task("tpot", "2.4", ("tpot",), (
+    Property("(last token - first token) / (tokens - 1), one value per request",
+             "TPOT averages the time between tokens over one request; n tokens have n - 1 gaps.",
+             _per_request("tpot", reference_tpot, [PROMPT, QUEUED], "TPOT")),
+    Property("excludes the first token: a late first token does not change it",
+             "Start from the first token's time, not the arrival.",
+             _per_request("tpot", reference_tpot, [SLOW_START], "TPOT")),
+    Property("is None (undefined) for a request with one token, not 0",
+             "One token has no gap: return None.", _tpot_one),
+))
+
+
+def _itls(fns, request):
+    gaps = call(fns["itls"], request)
+    if not isinstance(gaps, (list, tuple)):
+        raise wrong_value("itls", gaps, "a list of gaps in seconds")
+    return [expect_number("itls", g) for g in gaps]
+
+
+def _itls_count(fns):
+    for request in (PROMPT, QUEUED, ONE):
+        gaps = _itls(fns, request)
+        if len(gaps) != len(request.token_times) - 1:
+            raise Mismatch(f"{len(request.token_times)} tokens gave {len(gaps)} gaps")
+
+
+def _itls_values(fns):
+    for request in (QUEUED, SLOW_START):
+        got = _itls(fns, request)
+        if len(got) != len(request.token_times) - 1 or any(
+                not math.isclose(a, b, abs_tol=1e-12) for a, b in zip(got, reference_itls(request))):
+            raise Mismatch(f"tokens at {list(request.token_times)} s gave gaps {[round(g, 4) for g in got]}")
+
+
+ITL = Task("itls", "2.4", ("itls",), (
+    Property("one gap per pair of consecutive tokens (n tokens, n - 1 gaps; none for one token)",
+             "Pair each token time with the next one.", _itls_count),
+    Property("each gap is the time between two consecutive tokens",
+             "The arrival time plays no part in an ITL.", _itls_values),
+))
+
+
+E2E = Task("e2e", "2.4", ("e2e",), (
+    Property("last token time - arrival time",
+             "End to end: from arrival to the last token.",
+             _per_request("e2e", e2e_latency, [PROMPT, QUEUED, SLOW_START], "E2E latency")),
+    Property("for a one-token request it equals the TTFT",
+             "With one token, the first token is the last.", _per_request("e2e", e2e_latency, [ONE],
+                                                                          "E2E latency")),
+))
+
+
+# --- throughput and goodput --------------------------------------------------------------------------
+
+RUN = [PROMPT, QUEUED, ONE, NONE, SLOW_START]  # NONE produced no token: a failed request
+
+
+def _pair(fns, requests, duration):
+    out = call(fns["throughput"], list(requests), duration)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise wrong_value("throughput", out, "a pair (requests per second, "
+                          "output tokens per second)")
+    return expect_number("throughput", out[0]), expect_number("throughput", out[1])
+
+
+def _throughput_tokens(fns):
+    metrics = serving_metrics(RUN, duration=4.0)
+    _same(_pair(fns, RUN, 4.0)[1], metrics.output_throughput, "output tokens per second over 4 s")
+
+
+def _throughput_requests(fns):
+    metrics = serving_metrics(RUN, duration=4.0)
+    _same(_pair(fns, RUN, 4.0)[0], metrics.request_throughput,
+          "completed requests per second over 4 s (one of the 5 requests produced no token)")
+
+
+THROUGHPUT = Task("throughput", "2.4", ("throughput",), (
+    Property("output tokens per second of the run",
+             "Count every output token of every request and divide by the duration.", _throughput_tokens),
+    Property("completed requests per second: a request with no token is not completed",
+             "A request completes when it produced at least one token.", _throughput_requests),
+))
+
+
+def _good(fns, requests, duration, ttft_slo, tpot_slo, what):
+    got = expect_number("goodput", call(fns["goodput"], list(requests), duration, ttft_slo, tpot_slo))
+    expected = serving_metrics(requests, duration=duration, slo=SLO(ttft=ttft_slo, tpot=tpot_slo)).goodput
+    _same(got, expected, what)
+
+
+def _goodput_case(requests, ttft_slo, tpot_slo, what):
+    return lambda fns: _good(fns, requests, 4.0, ttft_slo, tpot_slo, what)
+
+
+GOODPUT = Task("goodput", "2.4", ("goodput",), (
+    Property("requests per second that meet both objectives",
+             "Count the requests whose TTFT and TPOT are both within their objective; divide by the "
+             "duration.", _goodput_case([PROMPT, QUEUED, SLOW_START], 1.0, 0.0625,
+                                         "goodput with TTFT <= 1 s and TPOT <= 62.5 ms")),
+    Property("a request exactly at an objective meets it",
+             "Meeting an objective means <=, not <.", _goodput_case([PROMPT, QUEUED], 0.75, 0.09,
+                                                                   "goodput with TTFT <= 0.75 s")),
+    Property("a one-token request has no TPOT, so it meets any TPOT objective",
+             "Only the TTFT objective applies to it.", _goodput_case([ONE, PROMPT], 0.5, 0.01,
+                                                                    "goodput with TPOT <= 10 ms")),
+    Property("a request with no token is never good",
+             "A failed request meets no objective.", _goodput_case([NONE, PROMPT], 1.0, 1.0,
+                                                                   "goodput with loose objectives")),
+    Property("TPOT is the request's mean gap, not its slowest ITL",
+             "One slow gap can break an ITL objective while the request's TPOT meets its own.",
+             _goodput_case([QUEUED], 1.0, 0.09, "goodput of a request with gaps 62.5, 62.5, 125 ms "
+                                                "against TPOT <= 90 ms")),
+))
+
+
+# --- devices_needed --------------------------------------------------------------------------------------
+
+def _reference_devices(concurrency, tpot_slo, rate, request_bytes, device_bytes) -> int:
+    by_rate = plan_for_slo(concurrency, 1, tpot_slo, rate).devices_for_tpot
+    by_memory = plan_capacity(device_bytes, 0, 0, request_bytes, concurrency).devices_needed
+    return max(by_rate, by_memory)
+
+
+def _devices(fns, *args) -> int:
+    return expect_number("devices_needed", call(fns["devices_needed"], *args), integer=True)
+
+
+def _plan_case(args, what):
+    def run(fns):
+        got, expected = _devices(fns, *args), _reference_devices(*args)
+        if got != expected:
+            raise Mismatch(f"{what}: devices_needed says {got}")
+    return run
+
+
+def _plan_int(fns):
+    value = call(fns["devices_needed"], 100, 0.03125, 1920.0, 10**8, 40 * 10**9)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise wrong_value("devices_needed", value, "an int (whole devices)")
+
+
+def _plan_impossible(fns):
+    try:
+        value = call(fns["devices_needed"], 10, 0.03125, 1920.0, 50 * 10**9, 40 * 10**9)
+    except LearnerError as exc:
+        if isinstance(exc.__cause__, ValueError):
+            return
+        raise
+    raise Mismatch(f"a request needing 50 GB of KV cache on a device with 40 GB for KV: devices_needed "
+                   f"returned {value!r} instead of raising ValueError")
+
+
+def _plan_rounding(fns):
+    for concurrency in (120, 121):
+        _plan_case((concurrency, 0.03125, 1920.0, 10**8, 40 * 10**9),
+                   f"{concurrency} streams, 60 a device")(fns)
+
+
+PLAN = Task("devices_needed", "2.4", ("devices_needed",), (
+    Property("returns an int (whole devices)", "Round up with math.ceil and return an int.", _plan_int),
+    Property("TPOT decides when memory is plentiful",
+             "A stream at the TPOT objective takes 1 / tpot_slo tokens per second of a device's "
+             "decode_tokens_per_s.", _plan_case((100, 0.03125, 1920.0, 10**8, 40 * 10**9),
+                                                 "100 streams, TPOT <= 31.25 ms, 1920 tokens/s a device")),
+    Property("memory decides when each request's KV cache is large",
+             "A device holds kv_bytes_per_device // kv_bytes_per_request whole requests.",
+             _plan_case((64, 0.03125, 100000.0, 32 * 10**8, 44 * 10**9),
+                        "64 requests of 3.2 GB on devices with 44 GB for KV")),
+    Property("rounds up to whole devices, and not when it divides exactly",
+             "Use the ceiling of a division; a whole number needs no extra device.",
+             _plan_rounding),
+    Property("raises ValueError when one request does not fit on a device",
+             "If a device holds 0 requests, no number of devices serves them: raise ValueError with a "
+             "message.", _plan_impossible),
+))
+
+register(TTFT, TPOT, ITL, E2E, THROUGHPUT, GOODPUT, PLAN)
+
+
+# --- the payoff ------------------------------------------------------------------------------------------
+
+def compare_metrics(records, duration: float, ttft_slo: float, tpot_slo: float, ttft, tpot, itls, e2e,
+                    throughput, goodput) -> dict[str, float]:
+    """The learner's metrics of a measured run next to minillm.analysis.metrics (ms and per second); the learner's
+    numbers by name. Call it once ``ready`` passes for the six functions."""
+    ref = serving_metrics(records, duration=duration, slo=SLO(ttft=ttft_slo, tpot=tpot_slo))
+    done = [r for r in records if r.token_times]
+    tpots = [v for v in (call(tpot, r) for r in done) if v is not None]
+    requests_s, tokens_s = call(throughput, list(records), duration)
+    yours = {
+        "TTFT mean (ms)": 1e3 * statistics.fmean(call(ttft, r) for r in done),
+        "TPOT mean (ms)": 1e3 * statistics.fmean(tpots) if tpots else math.nan,
+        "ITL mean (ms)": 1e3 * statistics.fmean(g for r in done for g in call(itls, r)),
+        "E2E mean (ms)": 1e3 * statistics.fmean(call(e2e, r) for r in done),
+        "requests / s": requests_s, "output tokens / s": tokens_s,
+        "goodput (requests / s)": call(goodput, list(records), duration, ttft_slo, tpot_slo),
+    }
+    theirs = [1e3 * ref.ttft.mean, 1e3 * ref.tpot.mean if ref.tpot.n else math.nan, 1e3 * ref.itl.mean,
+              1e3 * ref.e2e.mean, ref.request_throughput, ref.output_throughput, ref.goodput]
+    print(f"{len(records)} requests, {ref.output_tokens} output tokens in {duration:.2f} s; "
+          f"SLO: TTFT <= {ttft_slo * 1e3:.0f} ms, TPOT <= {tpot_slo * 1e3:.0f} ms")
+    print(f"{'':<26}{'yours':>12}{'minillm.analysis.metrics':>18}")
+    for (name, value), reference in zip(yours.items(), theirs):
+        print(f"{name:<26}{value:>12.2f}{reference:>18.2f}")
+    agree = all(math.isclose(a, b, rel_tol=1e-6) or (math.isnan(a) and math.isnan(b))
+                for a, b in zip(yours.values(), theirs))
+    print("your metrics agree with minillm.analysis.metrics" if agree else "some of your metrics DIFFER from the "
+          "reference on this run")
+    return yours
+
+
+def compare_plan(devices_needed, concurrency: int, tpot_slo: float, decode_tokens_per_s: float,
+                 kv_bytes_per_request: int, kv_bytes_per_device: int) -> int:
+    """The learner's capacity plan next to minillm's (plan_for_slo and plan_capacity). Call it once
+    ``ready(devices_needed)`` passes."""
+    args = (concurrency, tpot_slo, decode_tokens_per_s, kv_bytes_per_request, kv_bytes_per_device)
+    yours, reference = call(devices_needed, *args), _reference_devices(*args)
+    by_rate = decode_tokens_per_s * tpot_slo
+    by_memory = kv_bytes_per_device // kv_bytes_per_request
+    print(f"{concurrency} streams at TPOT <= {tpot_slo * 1e3:.0f} ms; a device decodes "
+          f"{decode_tokens_per_s:.1f} tokens/s and keeps {kv_bytes_per_device / 1e9:.1f} GB for KV caches")
+    print(f"    streams a device keeps: {by_rate:.1f} by its decode rate, {by_memory} by its memory "
+          f"({kv_bytes_per_request / 1e6:.1f} MB a request)")
+    print(f"    devices: yours {yours}, minillm's {reference}; "
+          f"{'memory' if by_memory < by_rate else 'the decode rate'} decides")
+    if by_rate < 1:
+        show_text("    ", "but a device that keeps less than one stream cannot meet the TPOT objective even "
+                  "for one stream, so no number of such devices can: the plan needs faster devices")
+    return yours

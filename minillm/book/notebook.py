@@ -1,0 +1,109 @@
+"""Helpers the book's notebooks share: the device, checked claims, source excerpts, the figure style.
+
+Everything here prints plain text or returns Markdown that renders the same on the web book, on Colab and
+in plain Jupyter (no MyST roles).
+"""
+from __future__ import annotations
+
+import inspect
+import textwrap
+from pathlib import Path
+
+import torch
+
+from ..device import resolve_device
+
+WIDTH = 90  # characters: the text column of the web book; notebook code and outputs stay within it
+PASS, FAIL = "PASS", "FAIL"
+
+
+class ClaimFailed(AssertionError):
+    """A measured claim did not hold on this run."""
+
+
+def _wrap(label: str, text: str) -> str:
+    return textwrap.fill(text, WIDTH, initial_indent=label, subsequent_indent=" " * len(label))
+
+
+def check(claim: str, holds: bool, evidence: str) -> None:
+    """Print a measured claim, the evidence measured for it, and PASS; raise ClaimFailed if it fails.
+
+    A chapter states each measured relation (faster, flat, grows, memory-bound, a ratio) through this
+    call in the cell that measures it, so a re-executed book cannot say what its own run contradicts.
+    """
+    print(_wrap("claim:    ", claim))
+    print(_wrap("evidence: ", evidence))
+    print(f"result:   {PASS if holds else FAIL}")
+    if not holds:
+        raise ClaimFailed(f"{claim} -- not on this run: {evidence}")
+
+
+def which_case(question: str, cases: dict[str, bool], evidence: str) -> str:
+    """For an outcome the hardware decides: print the one case of ``cases`` that holds on this run.
+
+    ``cases`` maps each possible answer to whether it holds; exactly one must (else ClaimFailed).
+    """
+    holding = [name for name, holds in cases.items() if holds]
+    if len(holding) != 1:
+        raise ClaimFailed(f"{question}: expected exactly one case to hold, got {holding or 'none'} ({evidence})")
+    print(_wrap("question: ", question))
+    print(_wrap("evidence: ", evidence))
+    print(_wrap("here:     ", holding[0]))
+    return holding[0]
+
+
+class SourceExcerpt:
+    """A function or class of minillm as it is in the library right now, rendered as a code block."""
+
+    def __init__(self, obj):
+        self.obj = obj
+        self.source = textwrap.dedent(inspect.getsource(obj))
+        lines, first = inspect.getsourcelines(obj)
+        path = Path(inspect.getsourcefile(obj)).resolve()
+        package_root = Path(__file__).resolve().parents[2]  # the folder that holds minillm/
+        shown = path.relative_to(package_root) if path.is_relative_to(package_root) else path.name
+        self.location = f"{shown}, lines {first}-{first + len(lines) - 1}"
+        self.name = obj.__qualname__
+
+    def _repr_markdown_(self) -> str:
+        return f"`{self.name}` from `{self.location}`\n\n```python\n{self.source.rstrip()}\n```\n"
+
+    def __repr__(self) -> str:
+        return f"{self.name} ({self.location})\n{self.source.rstrip()}"
+
+
+def show_source(obj) -> SourceExcerpt:
+    """The current source of a minillm function, method or class, to display as the cell's result."""
+    obj = inspect.unwrap(obj)  # a decorated function shows its own code, not the decorator's
+    module = inspect.getmodule(obj)
+    if module is None or not (module.__name__ == "minillm" or module.__name__.startswith("minillm.")):
+        raise ValueError(f"{obj!r} is not part of minillm; show_source shows the library's own code")
+    return SourceExcerpt(obj)
+
+
+def use_book_style() -> None:
+    """Figures sized for the book's text column, with labels at body-text size, drawn sharp (2x PNG)."""
+    import matplotlib as mpl
+    from matplotlib_inline.backend_inline import set_matplotlib_formats
+
+    mpl.rcParams.update({
+        "figure.figsize": (7.5, 3.8), "figure.dpi": 100, "figure.constrained_layout.use": True,
+        "font.size": 11, "axes.titlesize": 11.5, "axes.labelsize": 11, "xtick.labelsize": 10,
+        "ytick.labelsize": 10, "legend.fontsize": 10, "legend.title_fontsize": 10, "lines.linewidth": 1.8,
+        "axes.grid": True, "grid.alpha": 0.3, "axes.spines.top": False, "axes.spines.right": False,
+        "axes.formatter.min_exponent": 4,  # log axes read 1, 10, 300, not 10^0, 3x10^2
+    })
+    set_matplotlib_formats("retina")
+
+
+def pick_device(verbose: bool = True) -> tuple[torch.device, torch.dtype]:
+    """CUDA (bfloat16 where supported, else float16) when there is a GPU, else CPU float32."""
+    device = resolve_device("auto")
+    if device.type == "cuda":
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        name = torch.cuda.get_device_name(device)
+    else:
+        dtype, name = torch.float32, f"CPU, {torch.get_num_threads()} threads"
+    if verbose:
+        print(f"device: {device.type} ({name}), dtype: {str(dtype).removeprefix('torch.')}")
+    return device, dtype

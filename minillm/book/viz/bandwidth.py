@@ -1,0 +1,53 @@
+"""The bandwidth law as pictures: tokens/s against bytes per step with the bound a memory
+system sets, and the bandwidth a kernel achieves on a fixed weight.
+
+Both take measured numbers (bytes, seconds) and draw them; nothing here measures.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...validate import check_number
+
+
+def _check_measured(label: str, pairs: dict[str, tuple[float, float]], units: tuple[str, str],
+                    bandwidth: float) -> None:
+    """``pairs`` (name -> two numbers, named ``units``) is not empty, and each number and
+    ``bandwidth`` are finite and > 0."""
+    if not pairs:
+        raise ValueError(f"{label} is empty; give at least one ({units[0]}, {units[1]})")
+    check_number("bandwidth", bandwidth)
+    for name, (first, second) in pairs.items():
+        check_number(f"{name} {units[0]}", first)
+        check_number(f"{name} {units[1]}", second)
+
+
+def plot_bandwidth_law(ax, points: dict[str, tuple[float, float]], bandwidth: float,
+                       title: str = "Decode speed follows the bytes per step") -> None:
+    """``points``: variant -> (bytes per step, tokens/s). Draws each variant and the bound
+    tokens/s = bandwidth / bytes, on log-log axes (MB and tokens/s)."""
+    _check_measured("points", points, ("bytes per step", "tokens/s"), bandwidth)
+    sizes = np.array([b for b, _ in points.values()], dtype=float)
+    span = np.geomspace(sizes.min() / 2, sizes.max() * 2, 50)  # bytes
+    ax.plot(span / 1e6, bandwidth / span, "k--", lw=1.2,
+            label=f"bound: {bandwidth / 1e9:.1f} GB/s / bytes per step")
+    for name, (step_bytes, speed) in points.items():
+        ax.plot(step_bytes / 1e6, speed, "o", ms=8, label=name)
+    ax.set(xscale="log", yscale="log",
+           xlabel="bytes read per decode step (MB, log scale)",
+           ylabel="decode speed (tokens/s, log scale)", title=title)
+    ax.legend(loc="upper right", fontsize=9)
+
+
+def plot_kernel_bandwidth(ax, kernels: dict[str, tuple[float, float]], bandwidth: float,
+                          title: str = "One weight, read at different speeds") -> None:
+    """``kernels``: name -> (bytes of the weight it reads, seconds per call). Bars of the
+    achieved bandwidth (bytes / seconds, GB/s), the copy bandwidth as a dashed line."""
+    _check_measured("kernels", kernels, ("bytes", "seconds"), bandwidth)
+    names = list(kernels)[::-1]  # the first kernel on top
+    achieved = [kernels[n][0] / kernels[n][1] / 1e9 for n in names]
+    ax.barh(names, achieved, color="#6baed6")
+    ax.axvline(bandwidth / 1e9, color="k", ls="--", lw=1.2,
+               label=f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    ax.set(xlabel="weight bytes / time of one call (GB/s)", title=title)
+    ax.legend(loc="lower right", fontsize=9)

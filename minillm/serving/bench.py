@@ -1,0 +1,366 @@
+"""``python -m minillm bench``: a load generator for any OpenAI-compatible server (minillm, vLLM, SGLang,
+llama.cpp), measuring what its users see.
+
+    python -m minillm bench --url http://127.0.0.1:8000/v1 --request-rate 8 --num-requests 64
+    python -m minillm bench --url http://gpu-host:8000/v1 --model meta-llama/Llama-3.1-8B-Instruct \\
+        --concurrency 16 --prompt-len 512 1024 --output-len 128 256 --vocab-size 32000 --json run.json
+
+The workload is ``minillm.engine.workload``'s: prompts of random token ids (sent as the ``prompt`` of
+``/v1/completions``, so every server sees the same number of tokens), output lengths drawn in a range
+and produced in full (``ignore_eos``, as vLLM's random benchmark), arrivals from a Poisson (gamma)
+process at ``--request-rate``, or ``--concurrency`` users in a closed loop. Every request streams; the
+client stamps each chunk when it arrives and computes TTFT, TPOT, ITL, E2E, throughput and goodput
+with ``minillm.analysis.metrics`` (vLLM's definitions). A chunk counts one token, or as many as its
+``token_ids`` lists when the server sends them. ``--compare-engine`` (minillm servers only) also reads
+the engine's own timestamps of the same requests and prints what HTTP and streaming added.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+try:
+    import httpx
+except ImportError:  # the serve extra is missing: main() says what to install
+    httpx = None
+
+from ..analysis.metrics import (
+    SLO,
+    RequestTiming,
+    ServingMetrics,
+    Summary,
+    e2e_latency,
+    serving_metrics,
+    summarize,
+    ttft,
+)
+from ..engine.request import Request
+from ..engine.workload import LENGTH_DISTS, poisson_arrivals, random_requests
+from ..sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ClientRecord:
+    """One request as the client saw it. Times: seconds from the start of the run, on the client's clock."""
+
+    request_id: int | str
+    prompt_len: int
+    arrival_time: float  # when the request was sent
+    token_times: list[float]  # when each output token arrived (k tokens in one chunk: k equal times); [] if failed
+    response_id: str | None = None
+    usage_tokens: int | None = None  # completion_tokens as the server reported them
+    finish_reason: str | None = None
+    text: str = ""
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """A run: per-request records (in the workload's order), its wall time, and its metrics."""
+
+    url: str
+    model: str
+    records: list[ClientRecord]
+    duration: float  # s, first send to last byte
+    metrics: ServingMetrics
+
+    @property
+    def count_mismatches(self) -> int:
+        """Requests whose chunks carried a different number of tokens than the server's usage says."""
+        return sum(r.usage_tokens is not None and not r.error and r.usage_tokens != len(r.token_times)
+                   for r in self.records)
+
+    def to_json(self) -> dict:
+        return {"url": self.url, "model": self.model, "count_mismatches": self.count_mismatches,
+                "metrics": metrics_dict(self.metrics), "requests": [asdict(r) for r in self.records]}
+
+
+def summary_ms(s: Summary) -> dict:
+    """A ``Summary`` of seconds as JSON: its count and its mean, p50, p90, p99 in ms (None: no values)."""
+    return {"n": s.n} | {k: None if getattr(s, a) is None else getattr(s, a) * 1e3
+                         for k, a in (("mean", "mean"), ("p50", "median"), ("p90", "p90"), ("p99", "p99"))}
+
+
+def metrics_dict(m: ServingMetrics) -> dict:
+    """A ``ServingMetrics`` as JSON: counts, throughputs per second, latencies in ms."""
+    out = {"requests": m.n_requests, "completed": m.n_completed, "failed": m.n_failed, "duration_s": m.duration,
+           "prompt_tokens": m.prompt_tokens, "output_tokens": m.output_tokens,
+           "request_throughput": m.request_throughput, "output_throughput": m.output_throughput,
+           "total_token_throughput": m.total_token_throughput,
+           **{f"{name}_ms": summary_ms(getattr(m, name)) for name in ("ttft", "tpot", "itl", "e2e")}}
+    if m.slo is not None:
+        out |= {"slo_s": asdict(m.slo), "good_requests": m.n_good, "goodput": m.goodput}
+    return out
+
+
+def payload(model: str, request: Request) -> dict:
+    """The ``/v1/completions`` body for one workload request (top_k and ignore_eos: vLLM's extensions)."""
+    body = {"model": model, "prompt": request.prompt_ids, "max_tokens": request.max_tokens,
+            "temperature": request.sampling.temperature, "top_p": request.sampling.top_p,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if request.sampling.top_k:
+        body["top_k"] = request.sampling.top_k
+    if request.seed is not None:
+        body["seed"] = request.seed
+    if request.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+async def send(client, url: str, model: str, request: Request, t0: float, clock) -> ClientRecord:
+    """Send one streaming request; stamp each chunk as its line arrives, before parsing it."""
+    arrival, times, text = clock() - t0, [], []
+    response_id = usage_tokens = finish = error = None
+    prompt_len = len(request.prompt_ids)
+    try:
+        async with client.stream("POST", f"{url}/completions", json=payload(model, request)) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                raise ValueError(f"HTTP {response.status_code}: {body[:300]}")
+            async for line in response.aiter_lines():
+                now = clock() - t0
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise ValueError(f"the server failed mid-stream: {chunk['error']}")
+                response_id = response_id or chunk.get("id")
+                for choice in chunk.get("choices") or []:
+                    ids = choice.get("token_ids")
+                    times += [now] * (len(ids) if isinstance(ids, list) else 1)
+                    text.append(choice.get("text") or "")
+                    finish = choice.get("finish_reason") or finish
+                if chunk.get("usage"):
+                    usage_tokens = chunk["usage"].get("completion_tokens")
+                    prompt_len = chunk["usage"].get("prompt_tokens", prompt_len)
+    except (httpx.HTTPError, ValueError) as e:
+        error, times = f"{type(e).__name__}: {e}", []
+    return ClientRecord(request.request_id, prompt_len, arrival, times, response_id, usage_tokens, finish,
+                        "".join(text), error)
+
+
+async def _run(url: str, model: str, requests: list[Request], concurrency: int | None, timeout: float, clock,
+               transport) -> tuple[list[ClientRecord], float]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
+        t0 = clock()
+        if concurrency is None:  # open loop: each request leaves at its arrival time, whatever the server does
+            async def at(request: Request) -> ClientRecord:
+                await asyncio.sleep(max(0.0, request.arrival_time - (clock() - t0)))
+                return await send(client, url, model, request, t0, clock)
+
+            records = await asyncio.gather(*(at(r) for r in requests))
+        else:  # closed loop: each user sends its next request when its last one has ended
+            queue, done = iter(requests), {}
+
+            async def user() -> None:
+                for request in queue:
+                    done[request.request_id] = await send(client, url, model, request, t0, clock)
+
+            await asyncio.gather(*(user() for _ in range(concurrency)))
+            records = [done[r.request_id] for r in requests]
+        return list(records), clock() - t0
+
+
+def run_benchmark(url: str, model: str, requests: list[Request], *, concurrency: int | None = None,
+                  slo: SLO | None = None, timeout: float = 600.0, clock=time.perf_counter,
+                  transport=None) -> BenchResult:
+    """Send ``requests`` to the server at ``url`` (ending in ``/v1``) and measure them.
+
+    Open loop (``concurrency=None``): request i is sent at its ``arrival_time`` (seconds from the
+    start). Closed loop: ``concurrency`` users, each sending its next request when its last one ends.
+    ``timeout``: seconds any one read may wait. Works inside a running event loop (Jupyter) too.
+    """
+    url = url.rstrip("/")
+    if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
+        raise ValueError(f"concurrency={concurrency!r} must be an integer >= 1 (or None: open loop)")
+    coroutine = _run(url, model, requests, concurrency, timeout, clock, transport)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        records, duration = asyncio.run(coroutine)
+    else:  # a running event loop (a notebook's): run ours on a thread of its own
+        with ThreadPoolExecutor(1) as pool:
+            records, duration = pool.submit(asyncio.run, coroutine).result()
+    return BenchResult(url, model, records, duration, serving_metrics(records, duration=duration, slo=slo))
+
+
+def list_models(url: str, timeout: float = 10.0) -> list[str]:
+    """The model names a server offers (``GET /v1/models``)."""
+    response = httpx.get(f"{url.rstrip('/')}/models", timeout=timeout)
+    response.raise_for_status()
+    return [m["id"] for m in response.json()["data"]]
+
+
+# ---- minillm servers: the engine's own timestamps of the same requests ---------------------------------
+def fetch_engine_records(url: str, timeout: float = 10.0) -> dict[str, RequestTiming]:
+    """A minillm server's records of its latest finished requests (``GET /minillm/requests``), by response
+    id. Times are on the engine's clock: only differences of them compare with the client's."""
+    base = url.rstrip("/").removesuffix("/v1")
+    response = httpx.get(f"{base}/minillm/requests", timeout=timeout)
+    response.raise_for_status()
+    return {r["id"]: RequestTiming(r["arrival_time"], r["token_times"], r["prompt_tokens"])
+            for r in response.json()["requests"] if r["status"] == "finished"}
+
+
+@dataclass(frozen=True)
+class EngineComparison:
+    """The same requests seen by the client (over HTTP, streamed) and by the engine (in-process).
+
+    Per request, client TTFT - engine TTFT = the request's trip to the engine + the first token's trip
+    back; client E2E - engine E2E = the same trip in + the last token's trip back. Both are >= 0.
+    """
+
+    pairs: list[tuple[ClientRecord, RequestTiming]] = field(repr=False)
+    client: ServingMetrics
+    engine: ServingMetrics
+    added_ttft: Summary  # s, per request
+    added_e2e: Summary  # s, per request
+
+    def table(self) -> str:
+        lines = [f"{len(self.pairs)} requests seen by both; latencies in ms",
+                 f"{'':<12}{'engine':>10}{'client':>10}{'added':>10}   (added: per request, client - engine)"]
+        for name, added in (("ttft", self.added_ttft), ("e2e", self.added_e2e)):
+            for stat in ("median", "p99"):
+                e, c = getattr(self.engine, name), getattr(self.client, name)
+                lines.append(f"{name.upper() + ' ' + stat:<12}{e.ms(stat):>10}{c.ms(stat):>10}{added.ms(stat):>10}")
+        for stat in ("median", "p99"):
+            lines.append(f"{'ITL ' + stat:<12}{self.engine.itl.ms(stat):>10}{self.client.itl.ms(stat):>10}")
+        return "\n".join(lines)
+
+
+def compare_with_engine(result: BenchResult, engine_records: dict[str, RequestTiming]) -> EngineComparison:
+    """Pair the client's completed records with the engine's (by response id) and measure the difference."""
+    pairs = [(r, engine_records[r.response_id]) for r in result.records
+             if not r.error and r.response_id in engine_records]
+    if not pairs:
+        raise ValueError("no completed request of this run is in the engine's records (not a minillm server, "
+                         "or the records were dropped)")
+    client = serving_metrics([c for c, _ in pairs])
+    engine = serving_metrics([e for _, e in pairs])
+    return EngineComparison(pairs, client, engine, summarize(ttft(c) - ttft(e) for c, e in pairs),
+                            summarize(e2e_latency(c) - e2e_latency(e) for c, e in pairs))
+
+
+# ---- the command line ------------------------------------------------------------------------------
+def parse_slo(items: list[str] | None) -> SLO | None:
+    """``["ttft:300", "tpot:30"]`` (milliseconds, vLLM's ``--goodput`` syntax) -> SLO in seconds."""
+    if not items:
+        return None
+    limits = {}
+    for item in items:
+        name, _, value = item.partition(":")
+        if name not in ("ttft", "tpot", "e2e") or not value:
+            raise ValueError(f"--goodput {item!r}: expected ttft:MS, tpot:MS or e2e:MS")
+        try:
+            limits[name] = float(value) / 1e3
+        except ValueError:
+            raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
+    return SLO(**limits)
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    parser = argparse.ArgumentParser(
+        prog="python -m minillm bench",
+        description="Load an OpenAI-compatible server with a minillm.engine.workload workload over streaming "
+                    "/v1/completions and report TTFT, TPOT, ITL, E2E, throughput and goodput.")
+    parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the API base, ending in /v1 "
+                        "(default http://127.0.0.1:8000/v1)")
+    parser.add_argument("--model", default=None, help="the model name (default: the first of GET /v1/models)")
+    parser.add_argument("--num-requests", type=int, default=64, help="requests to send (default 64)")
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="open loop: mean arrivals per second (default inf: all at once)")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="gamma shape of the gaps between arrivals: 1 Poisson (default), < 1 burstier")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="closed loop: this many users, each sending its next request when its last ends")
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 128), metavar=("LO", "HI"),
+                        help="prompt tokens, drawn in [LO, HI] (default 32 128)")
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 64), metavar=("LO", "HI"),
+                        help="output tokens, drawn in [LO, HI] (default 16 64)")
+    parser.add_argument("--length-dist", choices=LENGTH_DISTS, default="uniform", help="default uniform")
+    parser.add_argument("--vocab-size", type=int, default=256,
+                        help="prompt token ids are drawn in [0, vocab-size) (default 256: valid for any model)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the lengths, prompts and arrivals (default 0)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
+    parser.add_argument("--no-ignore-eos", action="store_true",
+                        help="let requests stop at EOS (default: ask for ignore_eos, a vLLM extension)")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                        help="SLOs for goodput in ms, e.g. ttft:300 tpot:30 (also e2e:MS)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a read may wait (default 600)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument("--compare-engine", action="store_true",
+                        help="minillm servers: compare with the engine's own timestamps of the same requests")
+    return parser, parser.parse_args(argv)
+
+
+def workload(args: argparse.Namespace) -> tuple[list[Request], int | None]:
+    """The requests and the concurrency (None: open loop) the arguments ask for; ValueError if they clash."""
+    if args.concurrency is not None and args.request_rate is not None:
+        raise ValueError("give --request-rate (open loop) or --concurrency (closed loop), not both")
+    rate = math.inf if args.request_rate is None else args.request_rate
+    arrivals = poisson_arrivals(args.num_requests, rate, seed=args.seed, burstiness=args.burstiness)
+    requests = random_requests(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), seed=args.seed,
+                               vocab_size=args.vocab_size, arrival_times=arrivals, length_dist=args.length_dist,
+                               sampling=SamplingParams(temperature=args.temperature),
+                               ignore_eos=not args.no_ignore_eos)
+    return requests, args.concurrency
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, args = parse_args(argv)
+    if httpx is None:
+        print("python -m minillm bench: error: httpx is not installed; pip install 'minillm[serve]'",
+              file=sys.stderr)
+        return 3
+    try:
+        slo = parse_slo(args.goodput)
+        requests, concurrency = workload(args)
+        if not args.timeout > 0:
+            raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))  # exits with status 2
+    try:
+        model = args.model or list_models(args.url)[0]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
+        print(f"python -m minillm bench: error: cannot list the models at {args.url}: {error}", file=sys.stderr)
+        return 1
+    rate = "inf" if args.request_rate is None else f"{args.request_rate:g}"
+    load = (f"{concurrency} users, closed loop" if concurrency else
+            f"{rate} req/s, open loop (gamma arrivals, burstiness {args.burstiness:g})")
+    print(f"minillm bench: {args.num_requests} requests to {args.url}, model {model!r}")
+    print(f"  load: {load}")
+    print(f"  prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens (ids < {args.vocab_size}), outputs "
+          f"{args.output_len[0]}-{args.output_len[1]} tokens, {args.length_dist}; seed {args.seed}", flush=True)
+    result = run_benchmark(args.url, model, requests, concurrency=concurrency, slo=slo, timeout=args.timeout)
+    print(result.metrics.table())
+    failed = [r for r in result.records if r.error]
+    if failed:
+        print(f"{len(failed)} request(s) failed; the first: {failed[0].error}")
+    if result.count_mismatches:
+        print(f"{result.count_mismatches} request(s): chunks carried a different token count than usage")
+    report = {"arguments": vars(args), **result.to_json()}
+    if args.compare_engine:
+        comparison = compare_with_engine(result, fetch_engine_records(args.url))
+        print(comparison.table())
+        report["engine"] = {"metrics": metrics_dict(comparison.engine),
+                            "added_ttft_ms": summary_ms(comparison.added_ttft),
+                            "added_e2e_ms": summary_ms(comparison.added_e2e)}
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+        print(f"results written to {args.json}")
+    return 0 if result.metrics.n_completed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm import KVCache, SamplingParams, build_model, generate, get_config
-from minillm.engine import Engine, PagedBatchCache, PagedKVPool, Request, blocks_for
+from minillm.engine import Engine, PagedCacheView, PagedKVPool, Request, blocks_for
 
 CONFIG = get_config("tiny", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=96)
 MODEL = build_model(CONFIG, seed=0)
@@ -266,7 +266,7 @@ def test_random_online_workloads_keep_block_tables_consistent_at_every_step(data
 def test_paged_cache_returns_keys_by_position_like_the_contiguous_cache():
     pool = PagedKVPool(CONFIG, num_blocks=10, block_size=4)
     tables = [[7, 2, 5], [0, 9]]  # scattered blocks: row 0 holds up to 12 positions, row 1 up to 8
-    view = PagedBatchCache(pool, tables, [0, 0])
+    view = PagedCacheView(pool, tables, [0, 0])
     contiguous = KVCache(CONFIG, 2, 12)
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]])  # (2, 8)
     k = torch.randn(2, CONFIG.n_kv_heads, 8, CONFIG.head_dim)

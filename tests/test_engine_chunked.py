@@ -5,7 +5,7 @@ import torch
 from test_engine import CONFIG, MODEL, check_invariants, drive, greedy_reference, workload
 
 from minillm import SamplingParams, generate
-from minillm.engine import Engine, MixedBatchCache, PagedBatchCache, PagedKVPool, Request
+from minillm.engine import Engine, MixedStepView, PagedCacheView, PagedKVPool, Request
 
 SHORT, LONG = Request("short", [1, 2, 3], 12), Request("long", list(range(10, 40)), 3)
 
@@ -104,24 +104,24 @@ def test_a_mixed_call_computes_what_separate_calls_compute():
     with torch.inference_mode():
         for pool in pools:  # A holds 10 tokens, B 5, D 3
             for k, n in (("A", 10), ("B", 5), ("D", 3)):
-                MODEL(ids[k][None, :n], torch.arange(n)[None], PagedBatchCache(pool, [tables[k]], [0]))
+                MODEL(ids[k][None, :n], torch.arange(n)[None], PagedCacheView(pool, [tables[k]], [0]))
         separate = torch.cat([
             MODEL(torch.stack([ids["A"][10:11], ids["B"][5:6]]), torch.tensor([[10], [5]]),
-                  PagedBatchCache(pools[0], [tables["A"], tables["B"]], [10, 5]))[:, 0],
-            MODEL(ids["C"][None, :7], torch.arange(7)[None], PagedBatchCache(pools[0], [tables["C"]], [0]))[0],
-            MODEL(ids["D"][None, 3:9], torch.arange(3, 9)[None], PagedBatchCache(pools[0], [tables["D"]], [3]))[0]])
-        parts = [(2, 1, PagedBatchCache(pools[1], [tables["A"], tables["B"]], [10, 5])),
-                 (1, 7, PagedBatchCache(pools[1], [tables["C"]], [0])),
-                 (1, 6, PagedBatchCache(pools[1], [tables["D"]], [3]))]
+                  PagedCacheView(pools[0], [tables["A"], tables["B"]], [10, 5]))[:, 0],
+            MODEL(ids["C"][None, :7], torch.arange(7)[None], PagedCacheView(pools[0], [tables["C"]], [0]))[0],
+            MODEL(ids["D"][None, 3:9], torch.arange(3, 9)[None], PagedCacheView(pools[0], [tables["D"]], [3]))[0]])
+        parts = [(2, 1, PagedCacheView(pools[1], [tables["A"], tables["B"]], [10, 5])),
+                 (1, 7, PagedCacheView(pools[1], [tables["C"]], [0])),
+                 (1, 6, PagedCacheView(pools[1], [tables["D"]], [3]))]
         row = torch.cat([ids["A"][10:11], ids["B"][5:6], ids["C"][:7], ids["D"][3:9]])[None]  # (1, 15)
         positions = torch.cat([torch.tensor([10, 5]), torch.arange(7), torch.arange(3, 9)])[None]
-        mixed = MODEL(row, positions, MixedBatchCache(parts, CONFIG.n_groups))[0]  # (15, vocab)
+        mixed = MODEL(row, positions, MixedStepView(parts, CONFIG.n_groups))[0]  # (15, vocab)
     assert mixed.shape == separate.shape == (15, CONFIG.vocab_size)
     assert (mixed - separate).abs().max() < 1e-5  # equal up to float32 rounding (other matmul shapes)
     for layer in range(CONFIG.n_layers):
         assert (pools[1].k[layer] - pools[0].k[layer]).abs().max() < 1e-5
         assert (pools[1].v[layer] - pools[0].v[layer]).abs().max() < 1e-5
     with pytest.raises(ValueError, match=r"positions shape \(1, 14\) != \(1, 15\)"):
-        MODEL(row[:, :14], positions[:, :14], MixedBatchCache(parts, CONFIG.n_groups))
+        MODEL(row[:, :14], positions[:, :14], MixedStepView(parts, CONFIG.n_groups))
     with pytest.raises(ValueError, match="a mixed batch needs explicit positions"):
-        MODEL(row, None, MixedBatchCache(parts, CONFIG.n_groups))
+        MODEL(row, None, MixedStepView(parts, CONFIG.n_groups))

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..engine import MixedBatchCache, PagedBatchCache, PagedKVPool, blocks_for
+from ..engine import MixedStepView, PagedCacheView, PagedKVPool, blocks_for
 from ..validate import check_int
 
 
@@ -39,7 +39,7 @@ def mixed_step_calls(model, decode_rows: int, context_len: int, chunk_lens,
     positions (the earlier ones hold zeros, as in ``time_decode_step``). For each ``C`` of
     ``chunk_lens``, ``"chunk C"``: a prefill chunk of ``C`` random tokens at position 0,
     and ``"fused C"``: the decode tokens then the chunk in one row, one call, as the
-    engine's mixed step (``MixedBatchCache``). Each call returns its logits, one row per
+    engine's mixed step (``MixedStepView``). Each call returns its logits, one row per
     token: ``(decode_rows, vocab)``, ``(C, vocab)``, ``(decode_rows + C, vocab)``; every
     call of a kind repeats the same work.
     """
@@ -60,7 +60,7 @@ def mixed_step_calls(model, decode_rows: int, context_len: int, chunk_lens,
     dec_pos = torch.full((B, 1), last, device=device)  # (B, 1)
 
     def decode_cache():
-        return PagedBatchCache(pool, rows, [last] * B)
+        return PagedCacheView(pool, rows, [last] * B)
 
     @torch.inference_mode()
     def decode():
@@ -71,16 +71,16 @@ def mixed_step_calls(model, decode_rows: int, context_len: int, chunk_lens,
 
         @torch.inference_mode()
         def chunk():
-            cache = PagedBatchCache(pool, [chunk_table], [0])
+            cache = PagedCacheView(pool, [chunk_table], [0])
             return model(ids, pos, cache)[0]  # (C, vocab)
 
         @torch.inference_mode()
         def fused():
             parts = [(B, 1, decode_cache()),
-                     (1, ids.shape[1], PagedBatchCache(pool, [chunk_table], [0]))]
+                     (1, ids.shape[1], PagedCacheView(pool, [chunk_table], [0]))]
             row = torch.cat([dec_ids.flatten(), ids.flatten()])[None]  # (1, B + C)
             row_pos = torch.cat([dec_pos.flatten(), pos.flatten()])[None]  # (1, B + C)
-            cache = MixedBatchCache(parts, c.n_groups)
+            cache = MixedStepView(parts, c.n_groups)
             return model(row, row_pos, cache)[0]  # (B + C, vocab)
 
         return chunk, fused

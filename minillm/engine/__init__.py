@@ -3,10 +3,10 @@ with a per-step token budget (chunked prefill), the model runner, the engine (on
 from .block_manager import BlockManager, block_key, blocks_for
 from .engine import Engine, RunResult, StepRecord
 from .model_runner import ModelRunner
-from .paged_cache import MixedBatchCache, PagedBatchCache, PagedKVPool
+from .paged_cache import MixedStepView, PagedCacheView, PagedKVPool
 from .request import Request, RequestRecord, StepOutput
 from .scheduler import POLICIES, Scheduler
 
-__all__ = ["BlockManager", "Engine", "MixedBatchCache", "ModelRunner", "POLICIES", "PagedBatchCache", "PagedKVPool",
+__all__ = ["BlockManager", "Engine", "MixedStepView", "ModelRunner", "POLICIES", "PagedCacheView", "PagedKVPool",
            "Request", "RequestRecord", "RunResult", "Scheduler", "StepOutput", "StepRecord", "block_key",
            "blocks_for"]

@@ -159,7 +159,7 @@ class Engine:
         if not plan.decode and not plan.prefill:
             raise RuntimeError("scheduler made no progress")  # a bug guard: admission always fits an empty pool
         n_waiting, blocks_used = len(self.scheduler.waiting), self._blocks_in_tables()
-        samplers = self.runner.samplers(plan)
+        samplers = plan.sampled
         logits, calls = self.runner.run(plan, mixed=self.enable_chunked_prefill)  # (len(samplers), vocab)
         for seq, n in plan.prefill:
             seq.num_computed += n

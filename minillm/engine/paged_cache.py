@@ -35,7 +35,7 @@ class PagedKVPool:
         return self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
 
 
-class PagedBatchCache:
+class PagedCacheView:
     """The rows of one batched model call, each reading and writing its own blocks.
 
     Implements the model's cache protocol: ``lengths`` (B,) (tokens each row holds before the call),
@@ -86,17 +86,17 @@ class PagedBatchCache:
         self.lengths = positions[:, -1] + 1
 
 
-class MixedBatchCache:
+class MixedStepView:
     """Several batches in one row of tokens: the cache of the engine's mixed step (vLLM's flat layout).
 
-    ``parts``: ``(rows, length, PagedBatchCache)`` per batch, laid out back to back in the row
+    ``parts``: ``(rows, length, PagedCacheView)`` per batch, laid out back to back in the row
     (e.g. every decode row as a ``(B, 1)`` batch, then each prefill chunk as a ``(1, t)`` batch). The
     model computes every projection and the MLP once over all the row's tokens; attention runs batch
     by batch (``split``, then ``join``), each batch reading and writing its own blocks with its own
     causal mask, so no token attends to another sequence and no padding is computed.
     """
 
-    def __init__(self, parts: list[tuple[int, int, PagedBatchCache]], n_groups: int):
+    def __init__(self, parts: list[tuple[int, int, PagedCacheView]], n_groups: int):
         self.parts, self.n_groups = parts, n_groups
         self._positions = self._masks = None  # per part, set by check_room
 

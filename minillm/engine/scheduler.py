@@ -23,6 +23,18 @@ class StepPlan:
     preempted: int
     cached_tokens: int  # tokens this step's admissions found in the prefix cache
 
+    @staticmethod
+    def finishes_prefill(seq: Sequence, n: int) -> bool:
+        """True when ``n`` prefill tokens from ``seq.num_computed`` reach the end of its prefill: that chunk's
+        last logits give the sequence its next token (a chunk short of the end samples nothing)."""
+        return seq.num_computed + n == seq.prefill_end
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences that get a token this step, in the order of the runner's logits: every decode row,
+        then every prefill chunk that reaches the end of its prefill."""
+        return self.decode + [s for s, n in self.prefill if self.finishes_prefill(s, n)]
+
 
 class Scheduler:
     """Moves sequences waiting -> running -> finished under a batch limit, a block budget and a

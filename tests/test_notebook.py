@@ -11,11 +11,11 @@ import matplotlib
 import pytest
 
 from minillm import KVCache, generate
-from minillm.book.notebook import WIDTH, ClaimFailed, check, show_source, use_book_style, which_case
+from minillm.book.notebook import WIDTH, ClaimFailed, claim, show_source, use_book_style, which_case
 
 
 def test_check_prints_claim_evidence_and_pass(capsys):
-    check("the cache is faster", 3.2 > 1.5, "cached/naive = 3.2x (median of 5)")
+    claim("the cache is faster", 3.2 > 1.5, "cached/naive = 3.2x (median of 5)")
     out = capsys.readouterr().out.splitlines()
     assert out == ["claim:    the cache is faster", "evidence: cached/naive = 3.2x (median of 5)",
                    "result:   PASS"]
@@ -23,12 +23,12 @@ def test_check_prints_claim_evidence_and_pass(capsys):
 
 def test_check_fails_the_run_when_the_claim_does_not_hold(capsys):
     with pytest.raises(ClaimFailed, match="the cache is faster -- not on this run: ratio 0.9x"):
-        check("the cache is faster", False, "ratio 0.9x")
+        claim("the cache is faster", False, "ratio 0.9x")
     assert capsys.readouterr().out.splitlines()[-1] == "result:   FAIL"
 
 
 def test_check_wraps_long_lines_to_the_column(capsys):
-    check("x " * 100, True, "y " * 100)
+    claim("x " * 100, True, "y " * 100)
     assert all(len(line) <= WIDTH for line in capsys.readouterr().out.splitlines())
 
 

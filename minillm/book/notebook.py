@@ -25,17 +25,17 @@ def _wrap(label: str, text: str) -> str:
     return textwrap.fill(text, WIDTH, initial_indent=label, subsequent_indent=" " * len(label))
 
 
-def check(claim: str, holds: bool, evidence: str) -> None:
+def claim(statement: str, holds: bool, evidence: str) -> None:
     """Print a measured claim, the evidence measured for it, and PASS; raise ClaimFailed if it fails.
 
     A chapter states each measured relation (faster, flat, grows, memory-bound, a ratio) through this
     call in the cell that measures it, so a re-executed book cannot say what its own run contradicts.
     """
-    print(_wrap("claim:    ", claim))
+    print(_wrap("claim:    ", statement))
     print(_wrap("evidence: ", evidence))
     print(f"result:   {PASS if holds else FAIL}")
     if not holds:
-        raise ClaimFailed(f"{claim} -- not on this run: {evidence}")
+        raise ClaimFailed(f"{statement} -- not on this run: {evidence}")
 
 
 def which_case(question: str, cases: dict[str, bool], evidence: str) -> str:

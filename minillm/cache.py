@@ -1,10 +1,129 @@
-"""KV cache: K and V for every layer, allocated once and written by index."""
+"""The model's cache contract (``CacheView``), the causal mask, and the contiguous KV cache.
+
+``CausalLM.forward`` calls four methods on a cache and nothing else; ``CacheView`` names them. Every
+cache implements them: ``KVCache`` here (one contiguous row per sequence), the view of a call without a
+cache (``NoCache``, which the model makes itself), the engine's ``PagedCacheView`` and ``MixedStepView``
+(``minillm.engine.paged_cache``) and the compiled step's ``StaticCacheView`` (``minillm.fast.compiled``).
+"""
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from .config import ModelConfig
 from .validate import check_int
+
+# kernel(q (B, H, T, D), K (B, Hkv, S, D), V (B, Hkv, S, D), mask (B, 1, G*T, S) or None) -> (B, H, T, D)
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+@runtime_checkable
+class CacheView(Protocol):
+    """What ``CausalLM.forward`` asks of a KV cache during one call, and all that it asks.
+
+    One call runs ``default_positions`` (only when the caller gives no positions), then ``begin``
+    once, ``attend`` once per layer (layer 0 first), and ``end`` once. Keys are indexed by position:
+    the key of position ``j`` sits at index ``j`` of the ``S`` axis that ``attend`` hands the kernel,
+    and the view's mask lets a query at position ``p`` see key ``j`` exactly when ``j <= p``.
+    """
+
+    def default_positions(self, batch: int, length: int, device: torch.device) -> torch.Tensor:
+        """The positions (batch, length) of a call that gives none: each row's next ``length``
+        positions. Reads only; raises ValueError where the view cannot say (or ``batch`` is wrong)."""
+        ...
+
+    def begin(self, positions: torch.Tensor) -> None:
+        """Mutates the view (not its keys and values): raise ValueError if ``positions`` (B, T) do
+        not fit, then plan this call's writes and build its mask(s). Called once, before layer 0."""
+        ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kernel: Kernel) -> torch.Tensor:
+        """Mutates the stored keys and values: write this call's ``k``, ``v`` (B, Hkv, T, D) of
+        ``layer`` at the positions given to ``begin``, then return ``kernel(q, K, V, mask)``, (B, H, T, D):
+        K, V (B', Hkv, S, D) every key the queries may see, by position, and the mask ``begin`` built."""
+        ...
+
+    def end(self, positions: torch.Tensor) -> None:
+        """Mutates the view: after the last layer, each row holds its positions up to its last one."""
+        ...
+
+
+# --- the causal mask ---------------------------------------------------------------------------------
+
+def causal_mask(query_positions: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """Boolean mask (B, 1, T, S): query at position p may see key j exactly when j <= p.
+
+    Keys are indexed by position (0..S-1), with or without a cache, so this one rule is the whole
+    mask: lower-triangular for a fresh sequence, a single row for a decode step.
+    """
+    key_positions = torch.arange(n_keys, device=query_positions.device)  # (S,)
+    return (key_positions[None, None, :] <= query_positions[:, :, None])[:, None]
+
+
+def grouped(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, 1, T, S) -> (B, 1, groups*T, S), rows ordered (g, t): the layout of the grouped queries
+    (the ``groups`` query heads that share a kv head become ``groups*T`` rows of it)."""
+    B, _, T, S = mask.shape
+    return mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(B, 1, groups * T, S)
+
+
+def attention_mask(positions: torch.Tensor, n_keys: int, groups: int, cached: bool) -> torch.Tensor | None:
+    """The causal mask of one forward pass, laid out for grouped heads: (B, 1, groups*T, n_keys), or None.
+
+    Keys are indexed by position. With a cache, key j is visible to a query at position p iff j <= p
+    (``causal_mask``); a decode step whose rows all sit at the last position sees every key, so it
+    needs no mask at all. Without a cache the keys are the queries themselves.
+    """
+    T = positions.shape[1]
+    if cached:
+        if T == 1 and n_keys - 1 == int(positions.min()):
+            return None
+        mask = causal_mask(positions, n_keys)  # (B, 1, T, S)
+    else:
+        mask = causal_mask(positions, T) if _is_arange(positions) else _pairwise_mask(positions)
+    return grouped(mask, groups)
+
+
+def _is_arange(positions: torch.Tensor) -> bool:
+    """True when every row's positions are 0, 1, ..., T-1."""
+    return bool((positions == torch.arange(positions.shape[1], device=positions.device)).all())
+
+
+def _pairwise_mask(positions: torch.Tensor) -> torch.Tensor:
+    """Causal mask by position for a cache-less call whose positions are not 0..T-1: (B, 1, T, T)."""
+    return (positions[:, None, :] <= positions[:, :, None])[:, None]
+
+
+# --- the views -----------------------------------------------------------------------------------------
+
+class NoCache:
+    """The view of a call without a cache: each layer attends to the call's own keys and values."""
+
+    def __init__(self, n_groups: int):
+        self.n_groups, self._mask = n_groups, None
+
+    def default_positions(self, batch: int, length: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(length, device=device).expand(batch, length)  # (B, T): 0..T-1
+
+    def begin(self, positions: torch.Tensor) -> None:
+        self._mask = attention_mask(positions, positions.shape[1], self.n_groups, cached=False)
+
+    def attend(self, layer, q, k, v, kernel: Kernel) -> torch.Tensor:
+        return kernel(q, k, v, self._mask)
+
+    def end(self, positions: torch.Tensor) -> None:
+        self._mask = None
+
+
+class _Writes(NamedTuple):
+    """The plan of one call's writes: its positions (B, T), 1 + the largest of them, and the (T,)
+    positions every row shares (then one ``index_copy_`` writes them), or None."""
+    positions: torch.Tensor
+    n_keys: int
+    shared: torch.Tensor | None
 
 
 class KVCache:
@@ -26,49 +145,76 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
-        self.batch_size, self.max_len = batch_size, max_len
-        self._n_keys, self._shared = 0, None  # the write plan of the current call, set by check_room
+        self.batch_size, self.max_len, self.n_groups = batch_size, max_len, config.n_groups
+        self._writes: _Writes | None = None  # this call's, set by begin
+        self._mask: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes held by all K and V tensors (allocated, not just used)."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def check_room(self, positions: torch.Tensor) -> None:
-        """Raise ValueError if any position falls outside the cache; plan this call's writes.
+    def default_positions(self, batch: int, length: int, device: torch.device) -> torch.Tensor:
+        """Right after what each row holds: (B, T)."""
+        self._check_rows(batch)
+        return self.lengths[:, None] + torch.arange(length, device=device)  # (B, T)
 
-        positions: (B, T). When every row writes the same positions (one sequence, or a batch in
-        step), ``update`` writes with one ``index_copy_`` instead of a scatter over rows.
-        """
-        top = int(positions.max())
-        if top >= self.max_len:
-            raise ValueError(f"position {top} does not fit in the cache (max_len={self.max_len})")
-        self._n_keys = top + 1
-        self._shared = positions[0] if bool((positions == positions[:1]).all()) else None  # (T,) or None
+    def check_room(self, positions: torch.Tensor) -> None:
+        """Raise ValueError unless ``positions`` (B, T) has ``batch_size`` rows and fits in ``max_len``."""
+        self._top(positions)
+
+    def begin(self, positions: torch.Tensor) -> None:
+        """Check the room, plan this call's writes and build its causal mask."""
+        self._writes = self._plan(positions)
+        self._mask = attention_mask(positions, self._writes.n_keys, self.n_groups, cached=True)
+
+    def attend(self, layer, q, k, v, kernel: Kernel) -> torch.Tensor:
+        """Write this call's k, v at its positions, then attend over every key held so far."""
+        K, V = self.update(layer, k, v, self._writes.positions)  # (B, Hkv, S, D), index = position
+        return kernel(q, K, V, self._mask)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Write new keys/values at ``positions`` and return every row's keys/values so far.
 
-        Call ``check_room(positions)`` first (the model does).
         k, v: (B, n_kv_heads, T, head_dim); positions: (B, T).
         Returns K, V of shape (B, n_kv_heads, S, head_dim), S = 1 + the largest position
         written; index j along S holds position j (entries past a row's own length are stale
         and must be masked by the caller, which the causal mask does).
         """
-        if self._shared is not None:  # every row writes the same positions
-            self.k[layer].index_copy_(2, self._shared, k)
-            self.v[layer].index_copy_(2, self._shared, v)
+        plan = self._writes if self._writes is not None and self._writes.positions is positions \
+            else self._plan(positions)  # planned once per call by begin, or here
+        if plan.shared is not None:  # every row writes the same positions
+            self.k[layer].index_copy_(2, plan.shared, k)
+            self.v[layer].index_copy_(2, plan.shared, v)
         else:
             rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
             # (B, T, H, D) written by index
             self.k[layer][rows, :, positions] = k.transpose(1, 2)
             self.v[layer][rows, :, positions] = v.transpose(1, 2)
-        return self.k[layer][:, :, :self._n_keys], self.v[layer][:, :, :self._n_keys]
+        return self.k[layer][:, :, :plan.n_keys], self.v[layer][:, :, :plan.n_keys]
 
-    def commit(self, positions: torch.Tensor) -> None:
+    def end(self, positions: torch.Tensor) -> None:
         """After a forward pass: each row's length becomes its last position + 1."""
         self.lengths = positions[:, -1] + 1  # (B,)
+        self._writes = self._mask = None
 
     def reset(self) -> None:
         """Forget every row (the memory stays allocated)."""
         self.lengths = torch.zeros_like(self.lengths)  # a new tensor: lengths may come from inference mode
+
+    def _check_rows(self, batch: int) -> None:
+        if batch != self.batch_size:
+            raise ValueError(f"input_ids has {batch} rows but the cache has batch_size={self.batch_size}")
+
+    def _top(self, positions: torch.Tensor) -> int:
+        """Check the room; -> the largest position."""
+        self._check_rows(positions.shape[0])
+        top = int(positions.max())
+        if top >= self.max_len:
+            raise ValueError(f"position {top} does not fit in the cache (max_len={self.max_len})")
+        return top
+
+    def _plan(self, positions: torch.Tensor) -> _Writes:
+        top = self._top(positions)
+        shared = positions[0] if bool((positions == positions[:1]).all()) else None  # (T,) or None
+        return _Writes(positions, top + 1, shared)

@@ -4,20 +4,23 @@ Module and parameter names follow Hugging Face's LLaMA (``model.embed_tokens``,
 ``model.layers.N.self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm``, ``model.norm``,
 ``lm_head``), so a LLaMA-architecture state dict loads with no renaming table.
 
-One ``forward`` serves three uses:
+One ``forward`` serves every use:
   * the whole sequence, no cache (the naive path):       ``model(ids)``
   * prefill: the prompt written into a cache:            ``model(ids, cache=cache)``
   * decode: one new token per row, rows at any position: ``model(next_ids, cache=cache)``
-Positions default to "right after what the cache holds"; they may be given per row.
+Positions default to "right after what the cache holds"; they may be given per row. The model asks a
+cache for four things only (``cache.CacheView``), so every cache, the engine's included, runs this code.
 """
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .cache import CacheView, NoCache
 from .config import ModelConfig, get_config
 from .device import resolve_device, resolve_dtype
 from .validate import check_integer_tensor, check_seed, check_token_ids
@@ -77,16 +80,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
-def causal_mask(query_positions: torch.Tensor, n_keys: int) -> torch.Tensor:
-    """Boolean mask (B, 1, T, S): query at position p may see key j exactly when j <= p.
-
-    Keys are indexed by position (0..S-1), with or without a cache, so this one rule is the whole
-    mask: lower-triangular for a fresh sequence, a single row for a decode step.
-    """
-    key_positions = torch.arange(n_keys, device=query_positions.device)  # (S,)
-    return (key_positions[None, None, :] <= query_positions[:, :, None])[:, None]
-
-
 class Attention(nn.Module):
     """Multi-head attention with grouped-query heads (n_kv_heads divides n_heads)."""
 
@@ -99,79 +92,58 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=False)
         self.impl = "sdpa"
+        self.recording = False  # set by CausalLM.recording_attention
         self.last_weights: torch.Tensor | None = None  # (B, n_heads, T, S) when recorded
 
-    def forward(self, x, cos, sin, positions, mask, cache=None, record_weights: bool = False):
-        """x: (B, T, d_model); mask: (B, 1, G*T, S) from ``attention_mask``, or None when
-        every key is visible.
-
-        A mixed cache (``cache.parts``: the engine's step, several batches laid out in one
-        row of tokens) gets the projections computed once for all its tokens, and attention
-        batch by batch.
-        """
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheView) -> torch.Tensor:
+        """x: (B, T, d_model) -> (B, T, d_model). The cache writes this call's keys and values and
+        calls ``kernel`` on every key the queries may see, with its causal mask."""
         B, T, _ = x.shape
-        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if hasattr(cache, "parts"):
-            parts = cache.split(q, k, v)
-            out = cache.join([self.attend(*part) for part in parts])  # (1, H, T, D)
-        else:
-            out = self.attend(q, k, v, positions, mask, cache, record_weights)  # (B, H, T, D)
+        q, k, v = self.qkv(x, cos, sin)
+        out = cache.attend(self.layer_idx, q, k, v, self.kernel)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
-    def attend(self, q, k, v, positions, mask, cache=None,
-               record_weights: bool = False) -> torch.Tensor:
-        """q: (B, H, T, D) and the new k, v: (B, Hkv, T, D) -> the output (B, H, T, D)."""
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x: (B, T, d_model) -> q (B, H, T, D), k, v (B, Hkv, T, D); q and k rotated by position."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+    def kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q: (B, H, T, D) over k, v: (B, Hkv, S, D) -> (B, H, T, D).
+
+        mask: (B, 1, G*T, S), True where a query may see a key (``cache.attention_mask``), or None
+        when every key is visible.
+        """
         B, _, T, _ = q.shape
-        if cache is not None:
-            # (B, Hkv, S, D), index = position
-            k, v = cache.update(self.layer_idx, k, v, positions)
         # GQA without copying K/V: the G query heads sharing a kv head become G*T rows of it.
         G, S = self.n_heads // self.n_kv_heads, k.shape[2]
         # (B, Hkv, G*T, D), rows ordered (g, t)
         q = q.reshape(B, self.n_kv_heads, G * T, self.head_dim)
-        if self.impl == "eager" or record_weights:
+        if self.impl == "eager" or self.recording:
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, Hkv, G*T, S)
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
             weights = F.softmax(scores.float(), dim=-1).to(q.dtype)
-            if record_weights:
-                self.last_weights = weights.detach().view(B, self.n_heads, T, S)
+            if self.recording:
+                self._record(weights.detach().view(B, self.n_heads, T, S))
             out = weights @ v  # (B, Hkv, G*T, D)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, Hkv, G*T, D)
         # (B, H, T, D): head h uses kv head h // G
         return out.view(B, self.n_heads, T, self.head_dim)
 
-
-def attention_mask(positions: torch.Tensor, n_keys: int, groups: int, cached: bool) -> torch.Tensor | None:
-    """The causal mask of one forward pass, laid out for grouped heads: (B, 1, groups*T, n_keys), or None.
-
-    Keys are indexed by position. With a cache, key j is visible to a query at position p iff j <= p
-    (``causal_mask``); a decode step whose rows all sit at the last position sees every key, so it
-    needs no mask at all. Without a cache the keys are the queries themselves.
-    """
-    B, T = positions.shape
-    if cached:
-        if T == 1 and n_keys - 1 == int(positions.min()):
-            return None
-        mask = causal_mask(positions, n_keys)  # (B, 1, T, S)
-    else:
-        mask = causal_mask(positions, T) if _is_arange(positions) else _pairwise_mask(positions)
-    return mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(B, 1, groups * T, mask.shape[-1])
-
-
-def _is_arange(positions: torch.Tensor) -> bool:
-    """True when every row's positions are 0, 1, ..., T-1."""
-    return bool((positions == torch.arange(positions.shape[1], device=positions.device)).all())
-
-
-def _pairwise_mask(positions: torch.Tensor) -> torch.Tensor:
-    """Causal mask by position for a cache-less call whose positions are not 0..T-1: (B, 1, T, T)."""
-    return (positions[:, None, :] <= positions[:, :, None])[:, None]
+    def _record(self, weights: torch.Tensor) -> None:
+        """Keep one call's weights; a second kernel call in the same forward cannot be one tensor."""
+        if self.last_weights is not None:
+            self.last_weights = None  # no part of this call's weights is kept
+            raise ValueError(
+                f"layer {self.layer_idx}'s attention ran in several pieces in one forward pass (a cache "
+                "that attends part by part, such as the engine's MixedStepView), so its weights are no "
+                "single (B, H, T, S) tensor: record attention with a KVCache, a PagedCacheView or no cache")
+        self.last_weights = weights
 
 
 class MLP(nn.Module):
@@ -197,9 +169,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, positions, mask, cache=None, record_weights=False):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache,
-                               record_weights)
+    def forward(self, x, cos, sin, cache: CacheView):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -243,45 +214,43 @@ class CausalLM(nn.Module):
             layer.self_attn.impl = impl
         return self
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
-                record_attention: bool = False) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: CacheView | None = None) -> torch.Tensor:
         """input_ids: (B, T) -> logits (B, T, vocab_size).
 
         positions: (B, T) absolute positions; by default 0..T-1, or, with a cache, each row's
         cache length onwards. With a cache the new keys/values are written into it at those
-        positions and the cache's lengths advance. ``record_attention`` keeps each layer's
-        attention weights in ``layer.self_attn.last_weights``.
+        positions and the cache's lengths advance (see ``cache.CacheView``).
         """
+        view = NoCache(self.config.n_groups) if cache is None else cache
+        positions = self._check(input_ids, positions, view)
+        self._start_recording()
+        view.begin(positions)
+        logits = self.compute(input_ids, positions, view)
+        view.end(positions)
+        return logits
+
+    def compute(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: CacheView) -> torch.Tensor:
+        """The forward pass itself, without checks or host syncs: ``cache.begin(positions)`` has run."""
+        x = self.model.embed_tokens(input_ids)  # (B, T, d_model)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache)
+        return self.lm_head(self.model.norm(x))  # (B, T, vocab_size)
+
+    def _check(self, input_ids: torch.Tensor, positions: torch.Tensor | None, cache: CacheView) -> torch.Tensor:
+        """Check the arguments of ``forward``; -> the positions (B, T), by default the cache's."""
         self._check_input(input_ids)
         B, T = input_ids.shape
-        mixed = hasattr(cache, "parts")  # the engine's mixed step (see Attention.forward)
-        if mixed and positions is None:
-            raise ValueError("a mixed batch needs explicit positions")
-        if cache is not None and not mixed and cache.lengths.shape[0] != B:
-            raise ValueError(f"input_ids has {B} rows but the cache has batch_size={cache.lengths.shape[0]}")
         if positions is None:
-            start = cache.lengths[:, None] if cache is not None else 0
-            positions = start + torch.arange(T, device=input_ids.device)[None, :]  # (B, T)
-            positions = positions.expand(B, T)
+            positions = cache.default_positions(B, T, input_ids.device)  # (B, T)
         check_integer_tensor("positions", positions)
         if positions.shape != input_ids.shape:
             raise ValueError(f"positions shape {tuple(positions.shape)} != input_ids shape {tuple(input_ids.shape)}")
         limit, lo, hi = self.config.max_seq_len, int(positions.min()), int(positions.max())
         if hi >= limit or lo < 0:
             raise ValueError(f"positions span [{lo}, {hi}], outside [0, max_seq_len={limit})")
-        if cache is not None:
-            cache.check_room(positions)
-        mask = None  # a mixed step's parts bring their own masks
-        if not mixed:
-            n_keys = hi + 1 if cache is not None else T
-            mask = attention_mask(positions, n_keys, self.config.n_groups, cache is not None)
-        x = self.model.embed_tokens(input_ids)  # (B, T, d_model)
-        cos, sin = self.model.rotary_emb(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, positions, mask, cache, record_attention)
-        if cache is not None:
-            cache.commit(positions)
-        return self.lm_head(self.model.norm(x))  # (B, T, vocab_size)
+        return positions
 
     def _check_input(self, input_ids: torch.Tensor) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -292,9 +261,28 @@ class CausalLM(nn.Module):
             raise ValueError("input_ids is empty (sequence length 0); give at least one token")
         check_token_ids(input_ids, self.config.vocab_size)
 
+    @contextmanager
+    def recording_attention(self):
+        """Within the block, every forward pass keeps each layer's attention weights, computed by the
+        eager kernel, for ``attention_weights()`` (which still reads them after the block)."""
+        layers = [layer.self_attn for layer in self.model.layers]
+        for attn in layers:
+            attn.recording = True
+        try:
+            yield self
+        finally:
+            for attn in layers:
+                attn.recording = False
+
     def attention_weights(self) -> list[torch.Tensor]:
-        """Per layer, the weights recorded by the last ``record_attention=True`` call: (B, H, T, S)."""
+        """Per layer, the weights of the last call recorded by ``recording_attention``: (B, H, T, S)."""
         return [layer.self_attn.last_weights for layer in self.model.layers]
+
+    def _start_recording(self) -> None:
+        """Forget the weights of the last call, if this one records (so none are ever stale)."""
+        for layer in self.model.layers:
+            if layer.self_attn.recording:
+                layer.self_attn.last_weights = None
 
 
 def build_model(config: ModelConfig | str = "tiny", device="cpu", dtype="float32", seed: int | None = 0):

@@ -7,10 +7,20 @@ import torch
 
 from .validate import check_int, check_number
 
+# The smallest temperature that is sampled; anything below is greedy. Sampling runs in float32, where a
+# temperature under float32's smallest normal number (1.18e-38) rounds to a subnormal or to 0 (1e-300 is 0),
+# and logits / temperature overflows to inf (inf - inf = NaN in the softmax). Nothing is lost by going greedy:
+# at such a temperature any two logits that differ by more than ~1e-36 already give the smaller one a
+# probability that underflows to 0 (exp(-d / T) < 1e-45), so the distribution is the argmax's one-hot except
+# for exactly tied logits.
+MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 means no top-k cut; top_p 1.0 means no nucleus cut."""
+    """temperature 0 means greedy (so does any temperature below ``MIN_TEMPERATURE``, too small to divide by
+    in float32); top_k 0 means no top-k cut; top_p 1.0 means no nucleus cut (and any top_p keeps the most
+    likely token)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -23,7 +33,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -31,25 +41,38 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
     In float32. Temperature divides the logits; top-k keeps the k largest (and any tied
     with the k-th); top-p keeps the smallest set of most likely tokens whose mass reaches
-    p (the token that crosses p is kept). Greedy puts all the mass on the argmax.
+    p (the token that crosses p is kept, and the most likely token always is). Greedy (a
+    temperature below ``MIN_TEMPERATURE``) puts all the mass on the argmax. Every row sums
+    to 1: a row the arithmetic cannot make a distribution of (NaN or +inf logits, or every
+    logit -inf) falls back to the argmax's one-hot.
     """
     logits = logits.float()
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+        return _one_hot_argmax(logits)
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    # Shift the largest logit to 0 before dividing: the scaled logits lie in [-inf, 0], so a small
+    # temperature can only push unlikely tokens to -inf (probability 0), never overflow to +inf.
+    shifted = logits - logits.amax(-1, keepdim=True)
+    probs = torch.softmax(shifted / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # the mass of the strictly more likely tokens
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p
+        drop_sorted = mass_before >= params.top_p  # top_p=1e-300 is 0.0 in float32: that alone would drop all
+        drop_sorted[..., 0] = False  # the most likely token is always kept
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    bad = ~torch.isfinite(probs).all(-1, keepdim=True) | (probs.sum(-1, keepdim=True) <= 0)
+    return torch.where(bad, _one_hot_argmax(logits), probs)  # no `if bad.any()`: that would sync a GPU
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """All the mass on the largest logit (NaN counts as the smallest; a row of all -inf picks token 0)."""
+    safe = torch.nan_to_num(logits, nan=float("-inf"))
+    return torch.nn.functional.one_hot(safe.argmax(-1), logits.shape[-1]).float()
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -3,6 +3,7 @@ fake clock), failures are counted, and on a real minillm server the client's num
 own plus the HTTP time the client measures."""
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -164,3 +165,178 @@ def test_http_errors_are_recorded_not_raised(server):  # noqa: F811
     result = run_benchmark(server.url, "no-such-model", [Request(0, [1, 2], 3)], timeout=30)
     assert result.metrics.n_failed == 1 and "HTTP 404" in result.records[0].error
     assert bench_client.list_models(server.url) == ["tiny"]
+
+
+# ---- broken servers: every failure is a counted request with its reason, and the run always ends ----------
+# Each is a real HTTP server on 127.0.0.1, started by the test. A request picks its behaviour by the path
+# (http://127.0.0.1:PORT/<mode>/v1) or, under /any/v1, by its prompt's first id (an index into MODES).
+def _tok(text, finish=None):
+    return json.dumps({"id": "cmpl-x", "choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+
+
+USAGE = json.dumps({"id": "cmpl-x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+MODES = {  # mode: the SSE events (None: special), and the words its failure's reason must hold
+    "ok": ([_tok("a"), _tok("b", "length"), USAGE, "[DONE]"], None),
+    "truncated": ([_tok("a"), _tok("b")], "without [DONE] or a finish_reason"),
+    "nondict": ([_tok("a"), "[1, 2, 3]"], "JSON list"),
+    "number": (["42"], "JSON int"),
+    "badchoice": ([_tok("a"), json.dumps({"choices": "x"})], "choices is not a list"),
+    "badchoiceitem": ([json.dumps({"choices": [1]})], "choices is not a list"),
+    "badusage": ([_tok("a", "length"), json.dumps({"choices": [], "usage": 5})], "usage is not an object"),
+    "badids": ([json.dumps({"choices": [{"text": "a", "token_ids": 7}]})], "token_ids is not a list"),
+    "notjson": (["{oops"], "not JSON"),
+    "doneonly": (["[DONE]"], "without a token ([DONE] only)"),
+    "json200": (None, "without a token"),
+    "drip": (None, "no token for"),  # an SSE comment every 0.1 s, never a token
+    "slow": (None, "took more than"),  # a token every 0.1 s, never an end
+}
+MODE_NAMES = list(MODES)
+
+
+class _FakeServer:
+    def __init__(self):
+        import http.server
+        import threading
+
+        modes = MODES
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def mode(self, body=None) -> str:
+                name = self.path.strip("/").split("/")[0]
+                if name == "any" and body is not None:
+                    return MODE_NAMES[json.loads(body)["prompt"][0]]
+                return name
+
+            def reply(self, status, body: bytes, kind="application/json"):
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path.endswith("/v1/models"):
+                    self.reply(200, json.dumps({"data": [{"id": "fake"}]}).encode())
+                else:  # /minillm/requests of a server that is not minillm
+                    self.reply(200, b"<html>not a minillm server</html>", "text/html")
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                mode = self.mode(body)
+                if mode == "json200":
+                    return self.reply(200, json.dumps({"id": "cmpl-x", "choices": [{"text": "hi"}]}).encode())
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()  # HTTP/1.0: the body ends when the connection closes
+                try:
+                    if mode in ("drip", "slow"):
+                        end = time.monotonic() + 20  # bounded even if the client never leaves
+                        while time.monotonic() < end:
+                            self.wfile.write(b": ping\n\n" if mode == "drip" else f"data: {_tok('a')}\n\n".encode())
+                            self.wfile.flush()
+                            time.sleep(0.1)
+                        return
+                    for event in modes[mode][0]:
+                        self.wfile.write(f"data: {event}\n\n".encode())
+                        self.wfile.flush()
+                except OSError:  # the client left
+                    pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, mode: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{mode}/v1"
+
+
+@pytest.fixture(scope="module")
+def fake():
+    fake_server = _FakeServer()
+    yield fake_server
+    fake_server.httpd.shutdown()
+    fake_server.httpd.server_close()
+
+
+def bounded(fn, seconds: float = 30):
+    """fn() on a thread; its result, or a test failure (not a hang) if it raises or takes longer."""
+    import threading
+
+    out = {}
+
+    def target():
+        try:
+            out["value"] = fn()
+        except BaseException as error:  # reported below
+            out["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    assert "error" not in out, f"the run raised {out.get('error')!r}"
+    return out["value"]
+
+
+def test_every_broken_stream_is_a_failed_request_with_its_reason(fake):
+    modes = [m for m in MODE_NAMES if m not in ("drip", "slow")]  # those two: the deadlines' tests below
+    requests = [Request(i, [MODE_NAMES.index(m), 1, 2], 2) for i, m in enumerate(modes)]
+    result = bounded(lambda: run_benchmark(fake.url("any"), "fake", requests, concurrency=4, timeout=5.0))
+    by_mode = dict(zip(modes, result.records))
+    assert by_mode["ok"].error is None and len(by_mode["ok"].token_times) == 2
+    for mode in modes[1:]:
+        record, words = by_mode[mode], MODES[mode][1]
+        assert record.error and words in record.error and record.token_times == [], (mode, record.error)
+    m = result.metrics
+    assert (m.n_requests, m.n_completed, m.n_failed) == (len(modes), 1, len(modes) - 1)
+
+
+def test_a_request_that_never_ends_fails_at_its_deadline(fake):
+    requests = [Request(0, [MODE_NAMES.index("slow"), 1], 2), Request(1, [MODE_NAMES.index("ok"), 1], 2)]
+    result = bounded(lambda: run_benchmark(fake.url("any"), "fake", requests, timeout=5.0, request_timeout=1.0), 15)
+    slow, ok = result.records
+    assert "took more than 1 s" in slow.error and slow.token_times == [] and ok.error is None
+
+
+def test_a_server_that_only_sends_keep_alive_comments_cannot_hang_the_run(fake):
+    result = bounded(lambda: run_benchmark(fake.url("drip"), "fake", [Request(0, [1, 2], 4)], timeout=1.0), 15)
+    assert result.metrics.n_failed == 1 and "no token for 1 s" in result.records[0].error
+
+
+def test_the_command_line_reports_why_requests_failed_and_always_writes_its_json(fake, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    argv = ["--url", fake.url("truncated"), "--num-requests", "3", "--prompt-len", "2", "4", "--output-len", "2",
+            "2", "--timeout", "5", "--json", str(out)]
+    assert bounded(lambda: main(argv)) == 1  # nothing completed
+    printed = capsys.readouterr().out
+    assert "0 / 3" in printed and "3 request(s) failed" in printed and "without [DONE]" in printed
+    saved = json.loads(out.read_text())
+    assert saved["metrics"]["failed"] == 3 and all("without [DONE]" in r["error"] for r in saved["requests"])
+
+    assert bounded(lambda: main(["--url", fake.url("drip"), "--num-requests", "2", "--timeout", "0.5",
+                                 "--concurrency", "2"])) == 1
+    assert "2 x StreamError: no token for 0.5 s" in capsys.readouterr().out
+
+
+def test_a_failed_engine_comparison_is_a_message_and_the_json_is_still_written(fake, tmp_path, capsys):
+    out = tmp_path / "run.json"  # --compare-engine against a server that is not minillm
+    argv = ["--url", fake.url("ok"), "--num-requests", "3", "--prompt-len", "2", "4", "--output-len", "2", "2",
+            "--timeout", "5", "--json", str(out), "--compare-engine"]
+    assert bounded(lambda: main(argv)) == 1
+    printed = capsys.readouterr().out
+    assert "3 / 3" in printed and "--compare-engine: no comparison" in printed
+    saved = json.loads(out.read_text())
+    assert saved["metrics"]["completed"] == 3 and "error" in saved["engine"]
+
+
+@pytest.mark.parametrize("argv, words", [(["--concurrency", "0"], "--concurrency 0"),
+                                         (["--request-timeout", "0"], "--request-timeout 0")])
+def test_bad_limits_are_usage_errors(argv, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and words in capsys.readouterr().err

@@ -51,19 +51,19 @@ def test_generation_never_reallocates_the_cache(small_model):
     assert [t.data_ptr() for t in cache.k + cache.v] == pointers
 
 
-def test_update_writes_by_position_and_commit_sets_lengths():
+def test_update_writes_by_position_and_end_sets_lengths():
     config = SMALL.with_(n_layers=1)
     cache = KVCache(config, 2, 6)
     k = torch.arange(2 * 2 * 2 * 10, dtype=torch.float32).view(2, 2, 2, 10)  # (B, Hkv, T=2, D)
     positions = torch.tensor([[0, 1], [3, 4]])  # row 1 writes at positions 3 and 4
-    cache.check_room(positions)  # the protocol: plan the call's writes first
+    cache.begin(positions)  # the protocol: plan the call's writes first
     K, V = cache.update(0, k, -k, positions)
     assert K.shape == V.shape == (2, 2, 5, 10)  # S = 1 + the largest position written
     torch.testing.assert_close(K[0, :, 0:2], k[0])
     torch.testing.assert_close(K[1, :, 3:5], k[1])
     torch.testing.assert_close(V[1, :, 3:5], -k[1])
     assert (cache.k[0][1, :, :3] == 0).all() and (cache.k[0][:, :, 5:] == 0).all()  # nothing else written
-    cache.commit(positions)
+    cache.end(positions)
     assert cache.lengths.tolist() == [2, 5]
     cache.reset()
     assert cache.lengths.tolist() == [0, 0]

@@ -306,3 +306,98 @@ def test_bad_arguments_raise():
         Engine(MODEL, enable_chunked_prefill=False, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match="enable_prefix_caching needs policy='continuous'"):
         Engine(MODEL, policy="static", enable_prefix_caching=True)
+
+
+def test_status_is_a_str_enum_whose_values_are_the_old_strings():
+    import json
+
+    from minillm.engine import Status
+
+    assert [s.value for s in Status] == ["pending", "waiting", "running", "finished", "rejected", "aborted"]
+    assert Status.FINISHED == "finished" and str(Status.REJECTED) == "rejected" and f"{Status.ABORTED}" == "aborted"
+    result = Engine(MODEL, num_blocks=2, block_size=8).run([Request("ok", [1, 2], 2), Request("big", [1] * 20, 2)])
+    ok, big = result.requests
+    assert ok.status is Status.FINISHED and big.status is Status.REJECTED
+    assert json.loads(json.dumps({"status": ok.status})) == {"status": "finished"}
+
+
+def test_the_finish_reason_is_none_until_the_request_ends():
+    engine = Engine(MODEL)
+    engine.add_request(Request("r", [1, 2, 3], 3))
+    seq = engine.sequence("r")
+    assert seq.finish_reason is None and not seq.finished and seq.status == "waiting"
+    engine.step()
+    assert seq.finish_reason is None and not seq.finished and seq.status == "running"
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.finished and seq.finish_reason == "max_tokens" and seq.status == "finished"
+    assert engine.sequence("r") is None  # the engine forgets it once it has ended
+
+
+def test_a_step_record_reads_the_clock_once():
+    """``time`` is when the step's tokens were ready (the time every StepOutput of the step carries), and the
+    step began ``duration`` before it, after the previous step ended; the record takes keywords only."""
+    from minillm.engine import StepRecord
+
+    engine = Engine(MODEL, max_batch_size=2)
+    for request in workload(4, seed=11, max_tokens=5):
+        engine.add_request(request)
+    previous = 0.0
+    while engine.has_unfinished():
+        outputs = engine.step()
+        step = engine.last_step
+        assert outputs and all(out.time == step.time for out in outputs)
+        assert step.duration > 0 and step.time - step.duration >= previous
+        previous = step.time
+    with pytest.raises(TypeError):
+        StepRecord(*range(16))
+
+
+def test_the_scheduler_postprocesses_a_step_without_a_model():
+    """Schedule -> (tokens from anywhere) -> postprocess: the scheduler advances the sequences, appends the
+    tokens and their time, finishes on EOS or max_tokens and frees at once (continuous); abort goes through it."""
+    from minillm.engine import BlockManager, Scheduler, Sequence, Status
+
+    blocks = BlockManager(8, 4)
+    scheduler = Scheduler("continuous", 3, blocks, max_num_batched_tokens=16, eos_token_id=9)
+    a, b, c = (Sequence(Request(i, [1, 2, 3, 4, 5], 2), device="cpu") for i in range(3))
+    for seq in (a, b, c):
+        scheduler.add(seq, 0.0)
+    plan = scheduler.schedule()
+    assert plan.sampled == [a, b, c] and a.num_computed == 0
+    outputs = scheduler.postprocess(plan, [7, 9, 7], time=1.5)
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outputs] == [(0, False, None), (1, True, "eos"),
+                                                                              (2, False, None)]
+    assert a.num_computed == 5 and a.prefill_tokens == 5 and a.output_ids == [7] and a.token_times == [1.5]
+    assert b.status is Status.FINISHED and b.finish_time == 1.5 and b.block_table == []
+    assert scheduler.running == [a, c]
+    scheduler.abort(c, 1.7)
+    assert c.status is Status.ABORTED and c.finish_reason == "abort" and c.finish_time == 1.7 and not c.block_table
+    plan = scheduler.schedule()
+    assert plan.decode == [a] and plan.sampled == [a]
+    (out,) = scheduler.postprocess(plan, [8], time=2.0)
+    assert out.finished and out.finish_reason == "max_tokens" and a.num_computed == 6
+    assert not scheduler.running and blocks.num_used == 0
+
+
+def test_one_admission_rule_for_the_engine_and_the_lab_simulator(monkeypatch):
+    """``may_admit`` is the policies' one difference; the model-free simulator of lab 2.3 asks the same function."""
+    from minillm.book.labs import batching
+    from minillm.engine.scheduler import may_admit
+
+    assert may_admit("static", False, busy=False) and not may_admit("static", False, busy=True)
+    assert may_admit("continuous", False, busy=True) and not may_admit("continuous", True, busy=True)
+    assert may_admit("continuous", True, busy=False)
+    asked = []
+
+    def spy(policy, preempted, busy):
+        asked.append(policy)
+        return may_admit(policy, preempted, busy)
+
+    monkeypatch.setattr(batching, "may_admit", spy)
+    specs = [batching.Spec(4, 3), batching.Spec(6, 2, arrival_step=1)]
+    result = batching.simulate(specs, admit=lambda waiting, running, free, bs, limit: waiting[:limit - len(running)],
+                               finished=lambda seq, eos: len(seq.output) >= seq.max_tokens,
+                               preempt=lambda running, free, bs: [], num_blocks=8, block_size=4, max_batch_size=2,
+                               policy="static")
+    assert result.complete and asked and set(asked) == {"static"}

@@ -53,7 +53,7 @@ def test_abort_frees_a_waiting_or_running_request_at_once(caching):
     first = engine.step()  # c runs beside a (sharing a's 4 prefix blocks when caching)
     engine.add_request(b)  # no slot: b waits
     assert engine.abort("b") and not engine.scheduler.waiting
-    held = len(engine.live["a"].block_table)
+    held = len(engine.sequence("a").block_table)
     used = engine.blocks.num_used
     assert engine.abort("a")
     assert engine.blocks.num_used == used - (held - 4 if caching else held)

@@ -96,15 +96,28 @@ def test_block_keys_chain_the_whole_prefix():
     assert block_key(root, [3, 4]) != block_key(block_key(None, [9, 2]), [3, 4])
     blocks = BlockManager(4, 2, enable_prefix_caching=True)
     seq = Sequence(Request(0, [1, 2, 3, 4, 5], 1), device="cpu")
-    assert blocks.admit(seq) and seq.num_computed == 0 and len(seq.block_table) == 3
+    assert blocks.admit(seq) == 0 and len(seq.block_table) == 3  # no hit: 0 tokens found in the cache
     seq.num_computed = 5
     blocks.cache_full_blocks(seq)
     assert [blocks.block_of[k] for k in seq.block_keys] == seq.block_table[:2]
     big = Sequence(Request(1, [1, 2, 3, 4, 6, 7, 8, 9], 1), device="cpu")
-    assert not blocks.admit(big) and big.block_table == []  # 2 shared + 2 new blocks; 1 is free
+    assert blocks.admit(big) is None and big.block_table == []  # 2 shared + 2 new blocks; 1 is free
     other = Sequence(Request(2, [1, 2, 3, 4, 6, 7], 1), device="cpu")
-    assert blocks.admit(other) and other.num_computed == 4 and other.block_table[:2] == seq.block_table[:2]
+    assert blocks.admit(other) == 4 and other.block_table[:2] == seq.block_table[:2]
     assert blocks.ref_counts == [2, 2, 1, 1] and blocks.num_free == 0
     blocks.free(seq)
     blocks.free(other)
     assert blocks.ref_counts == [0] * 4 and blocks.num_cached == 2 and list(blocks.free_blocks)[-2:] == [1, 0]
+
+
+def test_admit_reports_the_cached_tokens_and_leaves_the_sequences_progress_to_the_scheduler():
+    """``BlockManager.admit`` hands out blocks and says how many tokens it found cached; it does not write
+    ``num_computed`` (the scheduler, the one owner of a sequence's state, does)."""
+    blocks = BlockManager(6, 2, enable_prefix_caching=True)
+    first = Sequence(Request(0, [1, 2, 3, 4, 5], 1), device="cpu")
+    assert blocks.admit(first) == 0
+    first.num_computed = 5
+    blocks.cache_full_blocks(first)
+    second = Sequence(Request(1, [1, 2, 3, 4, 9], 1), device="cpu")
+    assert blocks.admit(second) == 4 and second.num_computed == 0
+    assert second.block_table[:2] == first.block_table[:2]

@@ -140,7 +140,8 @@ def test_unknown_attention_impl(small_model):
 
 def test_recorded_attention_is_causal_and_rows_sum_to_one(small_model):
     T = 8
-    small_model(random_ids(SMALL.vocab_size, (2, T)), record_attention=True)
+    with small_model.recording_attention():
+        small_model(random_ids(SMALL.vocab_size, (2, T)))
     weights = small_model.attention_weights()
     assert len(weights) == SMALL.n_layers
     for w in weights:
@@ -155,7 +156,8 @@ def test_recorded_attention_is_causal_and_rows_sum_to_one(small_model):
 def test_recorded_attention_of_a_decode_step_covers_the_cache(small_model):
     cache = KVCache(SMALL, 1, 10)
     small_model(random_ids(SMALL.vocab_size, (1, 6)), cache=cache)
-    small_model(torch.tensor([[1]]), cache=cache, record_attention=True)
+    with small_model.recording_attention():
+        small_model(torch.tensor([[1]]), cache=cache)
     for w in small_model.attention_weights():
         assert w.shape == (1, SMALL.n_heads, 1, 7)  # one query, the 6 cached keys and its own
         torch.testing.assert_close(w.sum(-1), torch.ones(1, SMALL.n_heads, 1))

@@ -99,3 +99,45 @@ def test_top_k_keeps_ties_with_the_kth_logit():
     probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_k=1))
     assert support(probs) == {1, 2}
     torch.testing.assert_close(probs[0, [1, 2]], torch.tensor([0.5, 0.5]))
+
+
+# A temperature or top_p inside the accepted ranges but too small for float32 (1e-300 is 0 there) once gave
+# NaN probabilities, and torch.multinomial raised (in the engine: every request in flight failed).
+@pytest.mark.parametrize("kwargs", [dict(temperature=1e-300), dict(temperature=5e-324), dict(temperature=1e-45),
+                                    dict(temperature=1e-39), dict(temperature=1.0, top_p=1e-300),
+                                    dict(temperature=1.0, top_p=1e-50), dict(temperature=1e-300, top_p=1e-300),
+                                    dict(temperature=1e-45, top_k=2, top_p=1e-300)])
+def test_degenerate_temperature_and_top_p_sample_the_argmax(kwargs):
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1)) * 10
+    params = SamplingParams(**kwargs)
+    probs = filtered_probs(logits, params)
+    assert torch.isfinite(probs).all() and (probs >= 0).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(6))
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1))
+    assert (probs.max(-1).values == 1).all()  # all the mass on the most likely token
+    assert torch.equal(sample(logits, params, torch.Generator().manual_seed(0)), logits.argmax(-1))
+
+
+def test_a_temperature_below_float32s_smallest_normal_is_greedy_and_one_above_is_sampled():
+    from minillm.sampling import MIN_TEMPERATURE
+    assert SamplingParams(temperature=MIN_TEMPERATURE / 2).greedy
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+    # just above the threshold: finite, and still the argmax (the gaps underflow); ties share the mass
+    logits = torch.tensor([[1.0, 3.0, 3.0, -2.0]])
+    probs = filtered_probs(logits, SamplingParams(temperature=MIN_TEMPERATURE))
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 0.5, 0.5, 0.0]]))
+
+
+def test_filtered_probs_is_a_distribution_even_for_broken_logits():
+    logits = torch.tensor([[math.nan, 1.0, 2.0], [-math.inf] * 3, [1.0, math.inf, 0.0]])
+    probs = filtered_probs(logits, SamplingParams(temperature=0.7, top_p=0.9))
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+    assert probs.argmax(-1).tolist() == [2, 0, 1]
+
+
+def test_generate_with_a_degenerate_temperature_is_greedy(tiny_model):
+    from minillm import generate
+    prompt = [256, 72, 105]
+    greedy = generate(tiny_model, prompt, 6)
+    assert generate(tiny_model, prompt, 6, sampling=SamplingParams(temperature=1e-300), seed=3) == greedy
+    assert generate(tiny_model, prompt, 6, sampling=SamplingParams(temperature=1.0, top_p=1e-300), seed=3) == greedy

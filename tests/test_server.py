@@ -216,3 +216,30 @@ def test_bad_server_arguments_exit_with_status_2(capsys):
         assert exit_.value.code == 2 and words in capsys.readouterr().err
     assert main(["--model", "tiny", "--max-num-batched-tokens", "2"]) == 2
     assert "must be >= max_batch_size=8" in capsys.readouterr().err
+
+
+def test_the_frontend_asks_the_engine_what_fits_the_pool(tiny_model, tokenizer):
+    """One rule for "does this request fit": ``Engine.max_total_tokens``, which ``rejection`` applies and the
+    frontend reads (it used to recompute the pool's capacity itself)."""
+    from minillm.engine import Engine, Request
+    from minillm.serving.app import Frontend
+    from minillm.serving.loop import EngineLoop
+
+    engine = Engine(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    assert engine.max_total_tokens == MAX_TOTAL
+    assert Frontend(tokenizer, EngineLoop(engine), "tiny").max_total == engine.max_total_tokens
+    assert engine.rejection(Request(0, [1] * 10, MAX_TOTAL - 10)) is None
+    assert "more than the whole pool" in engine.rejection(Request(0, [1] * 10, MAX_TOTAL - 9))
+
+
+def test_the_servers_default_pool_is_the_engines(tiny_model):
+    """The default KV pool size is decided once, by the engine: the server's arguments without --num-blocks
+    give the pool ``Engine`` gives by default."""
+    from minillm.engine import Engine
+    from minillm.serving.cli import engine_config, parse_args
+
+    config = engine_config(parse_args(["--model", "tiny", "--max-batch-size", "3"]), EOS)
+    assert config.num_blocks is None and config.eos_token_id == EOS
+    served = Engine.from_config(tiny_model, config)
+    assert served.blocks.num_blocks == Engine(tiny_model, max_batch_size=3).blocks.num_blocks
+    assert served.blocks.num_blocks == config.pool_blocks(tiny_model.config.max_seq_len)

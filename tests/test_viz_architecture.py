@@ -52,7 +52,8 @@ def test_cache_and_attention_shapes_in_a_decode_step(small_model):
     cache = KVCache(SMALL, batch_size=2, max_len=8)
     with torch.inference_mode():
         small_model(random_ids(SMALL.vocab_size, (2, 5)), cache=cache)
-        small_model(random_ids(SMALL.vocab_size, (2, 1), seed=1), cache=cache, record_attention=True)
+        with small_model.recording_attention():
+            small_model(random_ids(SMALL.vocab_size, (2, 1), seed=1), cache=cache)
     stages = forward_stages(SMALL, batch=2, tokens=1, keys=6)
     by_tensor = {s.tensor: s.shape for row in stages for s in row}
     assert by_tensor["weights"] == tuple(small_model.attention_weights()[0].shape) == (2, 6, 1, 6)

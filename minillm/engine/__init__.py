@@ -1,12 +1,13 @@
 """Serving many requests with one model: requests, a paged KV pool with prefix caching, a scheduler
 with a per-step token budget (chunked prefill), the model runner, the engine (online and whole runs)."""
 from .block_manager import BlockManager, block_key, blocks_for
-from .engine import Engine, RunResult, StepRecord
+from .config import EngineConfig
+from .engine import Engine, EngineLoad, RunResult, StepRecord
 from .model_runner import ModelRunner
 from .paged_cache import MixedStepView, PagedCacheView, PagedKVPool
-from .request import Request, RequestRecord, StepOutput
+from .request import Request, RequestRecord, Sequence, Status, StepOutput
 from .scheduler import POLICIES, Scheduler
 
-__all__ = ["BlockManager", "Engine", "MixedStepView", "ModelRunner", "POLICIES", "PagedCacheView", "PagedKVPool",
-           "Request", "RequestRecord", "RunResult", "Scheduler", "StepOutput", "StepRecord", "block_key",
-           "blocks_for"]
+__all__ = ["BlockManager", "Engine", "EngineConfig", "EngineLoad", "MixedStepView", "ModelRunner", "POLICIES",
+           "PagedCacheView", "PagedKVPool", "Request", "RequestRecord", "RunResult", "Scheduler", "Sequence",
+           "Status", "StepOutput", "StepRecord", "block_key", "blocks_for"]

@@ -68,23 +68,23 @@ class BlockManager:
             raise RuntimeError(f"{missing} blocks needed, {len(self.free_blocks)} free")
         seq.block_table.extend(self._take() for _ in range(missing))
 
-    def admit(self, seq: Sequence) -> bool:
+    def admit(self, seq: Sequence) -> int | None:
         """Give ``seq`` blocks for all its tokens, reusing the cached blocks that hold its first ones.
 
-        Sets ``seq.num_computed`` to the tokens found in the cache. Returns False, taking nothing, when
-        the free blocks are too few.
+        Returns how many of its first tokens those cached blocks hold (0 without a hit; the caller, the
+        scheduler, counts them as computed), or None, taking nothing, when the free blocks are too few.
         """
         keys, hits = self._cached_prefix(seq)
         missing = blocks_for(seq.num_tokens, self.block_size) - len(hits)
         if missing + sum(self.ref_counts[b] == 0 for b in hits) > len(self.free_blocks):
-            return False
+            return None
         for block in hits:  # before taking new blocks, so that none of these is evicted
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
             self.ref_counts[block] += 1
         seq.block_table = hits + [self._take() for _ in range(missing)]
-        seq.block_keys, seq.num_computed = keys, len(hits) * self.block_size
-        return True
+        seq.block_keys = keys
+        return len(hits) * self.block_size
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register ``seq``'s blocks that are now full of computed tokens, for later sequences to reuse.
@@ -93,10 +93,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        bs, tokens = self.block_size, None
-        for i in range(len(seq.block_keys), seq.num_computed // bs):
-            tokens = seq.tokens if tokens is None else tokens
-            key = block_key(seq.block_keys[-1] if seq.block_keys else None, tokens[i * bs:(i + 1) * bs])
+        for i in range(len(seq.block_keys), seq.num_computed // self.block_size):
+            key = block_key(seq.block_keys[-1] if seq.block_keys else None, seq.block(i, self.block_size))
             seq.block_keys.append(key)
             if key not in self.block_of:
                 self.block_of[key], self.key_of[seq.block_table[i]] = seq.block_table[i], key
@@ -131,9 +129,8 @@ class BlockManager:
         keys, blocks = [], []
         if not self.enable_prefix_caching:
             return keys, blocks
-        bs, tokens = self.block_size, seq.tokens
-        for i in range((seq.num_tokens - 1) // bs):
-            key = block_key(keys[-1] if keys else None, tokens[i * bs:(i + 1) * bs])
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            key = block_key(keys[-1] if keys else None, seq.block(i, self.block_size))
             block = self.block_of.get(key)
             if block is None:
                 break

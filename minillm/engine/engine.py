@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -10,19 +10,20 @@ from ..sampling import sample
 from ..timing import now
 from ..validate import check_int, check_token_ids
 from .block_manager import BlockManager, blocks_for
+from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, kv_tokens_needed
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVPool
 from .request import Request, RequestRecord, Sequence, StepOutput
 from .scheduler import Scheduler
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # a mixed step's token budget unless told (vLLM's varies by version and GPU)
+__all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "Engine", "EngineLoad", "RunResult", "StepRecord"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepRecord:
     """One engine step. ``n_running = n_prefill + n_decode``: the requests this step computed."""
 
-    time: float  # seconds on the engine's clock at the end of the step
+    time: float  # seconds on the engine's clock at the end of the step (when its tokens were sampled)
     n_running: int
     n_prefill: int  # requests with prefill tokens in this step (a whole prompt or a chunk of one)
     n_decode: int  # decode rows: running requests fed their last token
@@ -36,7 +37,7 @@ class StepRecord:
     model_calls: int  # 1 for a mixed step; separate: one per prefill, plus one for the decode rows
     n_sampled: int  # requests that got a token (decode rows + prefills that reached their end)
     n_finished: int  # requests that ended in this step
-    duration: float  # seconds the step took: scheduling, model calls, sampling
+    duration: float  # seconds the step took: scheduling, model calls, sampling (it began at time - duration)
     blocks_cached: int  # free blocks still holding a reusable prefix (prefix caching), after the step
 
 
@@ -53,19 +54,25 @@ class RunResult:
     idle_skipped: float  # seconds of idle time jumped over instead of slept
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy the engine is now (what a server's ``/health`` reports)."""
+
+    running: int  # requests admitted (holding a batch slot)
+    waiting: int  # requests queued, not admitted
+    blocks_used: int  # KV blocks held by at least one request
+    blocks_total: int  # the pool's blocks
+
+
 class Engine:
     """Serves many requests with one model: a paged KV pool, a scheduler, one model call a step.
 
-    ``num_blocks`` x ``block_size`` tokens is the KV budget, allocated once (default: enough for
-    ``max_batch_size`` sequences of ``max_seq_len`` tokens, so nothing is ever preempted).
+    The arguments are those of ``EngineConfig``, which checks them and says what they imply (the
+    default pool size; what ``enable_chunked_prefill`` turns on); ``Engine.from_config`` takes one.
 
-    ``enable_chunked_prefill`` (default, vLLM's name): a step is one model call over every running
-    request's decode token and prefill chunks of admitted requests, at most ``max_num_batched_tokens``
-    tokens in all (default 2048; at least ``max_batch_size``) and at most ``max_prefill_chunk`` of one
-    request (default: the budget); a longer prompt is prefilled over several steps. Off: the old
-    engine, each admitted request's whole prompt in a model call of its own, then one batched decode
-    call. ``enable_prefix_caching``: full KV blocks are shared between requests whose tokens start the
-    same way (continuous policy only: static padding rows rewrite cached positions).
+    Who owns what: the ``Scheduler`` every ``Sequence``'s state (queues, progress, tokens, finishing),
+    the ``BlockManager`` the blocks and block tables, the ``ModelRunner`` the model calls; the engine
+    holds them together, keeps the clock and the index of live requests by id, and samples.
 
     Online use (one thread; the engine is not thread-safe): ``add_request`` at any time, ``step``
     until ``has_unfinished()`` is False, ``abort`` to drop a request. ``run`` serves a whole
@@ -82,37 +89,42 @@ class Engine:
                  num_blocks: int | None = None, block_size: int = 16, eos_token_id: int | None = None, *,
                  enable_chunked_prefill: bool = True, max_num_batched_tokens: int | None = None,
                  max_prefill_chunk: int | None = None, enable_prefix_caching: bool = False):
-        config = model.config
-        check_int("max_batch_size", max_batch_size)
-        check_int("block_size", block_size)
-        if num_blocks is None:
-            num_blocks = max_batch_size * blocks_for(config.max_seq_len, block_size)
-        if enable_chunked_prefill:
-            if max_num_batched_tokens is None:
-                max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_batch_size)
-            check_int("max_num_batched_tokens", max_num_batched_tokens)
-            if max_num_batched_tokens < max_batch_size:
-                raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_batch_size="
-                                 f"{max_batch_size}: every running request's decode token must fit in a step")
-        elif max_num_batched_tokens is not None or max_prefill_chunk is not None:
-            raise ValueError("max_num_batched_tokens and max_prefill_chunk need enable_chunked_prefill=True "
-                             "(without it each prompt is prefilled whole, in a call of its own)")
-        if enable_prefix_caching and policy == "static":
-            raise ValueError("enable_prefix_caching needs policy='continuous' (static padding rows "
-                             "recompute positions that cached blocks may share)")
-        self.model, self.eos_token_id = model, eos_token_id
-        self.enable_chunked_prefill = enable_chunked_prefill
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(policy, max_batch_size, self.blocks, max_num_batched_tokens, max_prefill_chunk)
-        self.pool = PagedKVPool(config, num_blocks, block_size, model.device, model.dtype)
-        self.runner = ModelRunner(model, self.pool)
-        self.live: dict[int | str, Sequence] = {}  # the requests waiting or running, by id
+        config = EngineConfig(policy=policy, max_batch_size=max_batch_size, num_blocks=num_blocks,
+                              block_size=block_size, eos_token_id=eos_token_id,
+                              enable_chunked_prefill=enable_chunked_prefill,
+                              max_num_batched_tokens=max_num_batched_tokens, max_prefill_chunk=max_prefill_chunk,
+                              enable_prefix_caching=enable_prefix_caching)
+        self.model, self.config = model, config
+        num_blocks = config.pool_blocks(model.config.max_seq_len)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.policy, config.max_batch_size, self.blocks, config.max_num_batched_tokens,
+                                   config.max_prefill_chunk, eos_token_id=config.eos_token_id)
+        self.pool = PagedKVPool(model.config, num_blocks, config.block_size, model.device, model.dtype)
+        self.runner = ModelRunner(model, self.pool, one_call_per_step=config.enable_chunked_prefill)
+        self._live: dict[int | str, Sequence] = {}  # the requests waiting or running, by id
         self.last_step: StepRecord | None = None  # the record of the latest step that computed something
         self._start, self._idle = now(model.device), 0.0
 
+    @classmethod
+    def from_config(cls, model, config: EngineConfig) -> Engine:
+        """The engine ``config`` describes, for ``model``."""
+        return cls(model, **asdict(config))  # the fields are the constructor's keywords
+
     @property
-    def policy(self) -> str:
-        return self.scheduler.policy
+    def enable_chunked_prefill(self) -> bool:
+        return self.config.enable_chunked_prefill
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.config.eos_token_id
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The longest prompt + max_tokens this engine can ever serve: the context, and what the whole KV
+        pool holds (one token more than its slots: see ``kv_tokens_needed``). Reads constants only, so
+        it is safe from any thread."""
+        pool_tokens = self.blocks.num_blocks * self.blocks.block_size
+        return min(self.model.config.max_seq_len, pool_tokens + 1)
 
     def clock(self) -> float:
         """Seconds on the engine's clock (since it was made, or since ``run`` started)."""
@@ -128,22 +140,31 @@ class Engine:
         reason = self.rejection(request)
         if reason is not None:
             raise ValueError(f"request {request.request_id!r} rejected: {reason}")
-        self._queue(Sequence(request, self.model.device), arrival_time)
+        self._queue(Sequence(request, self.model.device), self.clock() if arrival_time is None else arrival_time)
 
     def abort(self, request_id: int | str) -> bool:
         """Drop a waiting or running request at once, freeing its KV blocks (e.g. its client left).
 
         Returns False when no such request is waiting or running (unknown, finished, or aborted)."""
-        seq = self.live.pop(request_id, None)
+        seq = self._live.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.abort(seq)
-        seq.reason, seq.finish_time = "abort", self.clock()
+        self.scheduler.abort(seq, self.clock())
         return True
 
     def has_unfinished(self) -> bool:
         """True while some request is waiting or running."""
-        return bool(self.live)
+        return bool(self._live)
+
+    def sequence(self, request_id: int | str) -> Sequence | None:
+        """The engine's state of a waiting or running request (read it, do not change it; its
+        ``record()`` once it has ended), or None."""
+        return self._live.get(request_id)
+
+    def load(self) -> EngineLoad:
+        """Requests running and waiting, KV blocks used and in all, now."""
+        return EngineLoad(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                          blocks_used=self.blocks.num_used, blocks_total=self.blocks.num_blocks)
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
@@ -152,32 +173,27 @@ class Engine:
         Returns one ``StepOutput`` per request that got a token (the finished ones say so); an empty
         list when nothing is waiting or running. The step's ``StepRecord`` is in ``last_step``.
         """
-        if not self.live:
+        if not self._live:
             return []
         start = self.clock()
         plan = self.scheduler.schedule()
         if not plan.decode and not plan.prefill:
             raise RuntimeError("scheduler made no progress")  # a bug guard: admission always fits an empty pool
         n_waiting, blocks_used = len(self.scheduler.waiting), self._blocks_in_tables()
-        samplers = plan.sampled
-        logits, calls = self.runner.run(plan, mixed=self.enable_chunked_prefill)  # (len(samplers), vocab)
-        for seq, n in plan.prefill:
-            seq.num_computed += n
-            seq.prefill_tokens += n
-        for seq in plan.decode:
-            seq.num_computed += 1
-        for seq in self.scheduler.running:
-            self.blocks.cache_full_blocks(seq)
-        outputs = self._emit(samplers, logits)
-        finished = [o for o in outputs if o.finished]
-        for o in finished:
-            self.scheduler.finish(self.live.pop(o.request_id))
-        prefill_tokens = sum(n for _, n in plan.prefill)
+        logits, calls = self.runner.run(plan)  # (len(plan.sampled), vocab)
+        tokens = self._sample(plan.sampled, logits)
+        end = self.clock()  # the tokens are ready: the step's end, read once
+        outputs = self.scheduler.postprocess(plan, tokens, end)
+        for out in outputs:
+            if out.finished:
+                del self._live[out.request_id]
         self.last_step = StepRecord(
-            self.clock(), len(plan.prefill) + len(plan.decode), len(plan.prefill), len(plan.decode),
-            len(plan.padding), n_waiting, blocks_used, plan.preempted, prefill_tokens,
-            len(plan.decode) + len(plan.padding), plan.cached_tokens, calls, len(samplers), len(finished),
-            self.clock() - start, self.blocks.num_cached)
+            time=end, duration=end - start, n_running=len(plan.prefill) + len(plan.decode),
+            n_prefill=len(plan.prefill), n_decode=len(plan.decode), n_padding=len(plan.padding),
+            n_waiting=n_waiting, blocks_used=blocks_used, n_preempted=plan.preempted,
+            prefill_tokens=sum(n for _, n in plan.prefill), decode_tokens=len(plan.decode) + len(plan.padding),
+            cached_tokens=plan.cached_tokens, model_calls=calls, n_sampled=len(tokens),
+            n_finished=sum(out.finished for out in outputs), blocks_cached=self.blocks.num_cached)
         return outputs
 
     # ---- a whole workload ---------------------------------------------------------------------
@@ -189,38 +205,33 @@ class Engine:
         an earlier one ends (their ``arrival_time`` is ignored).
         """
         seqs = self._sequences(requests)
-        if concurrency is None:
-            for s in seqs:
-                s.arrival_time = float(s.request.arrival_time)
-            pending, unreleased = deque(sorted(seqs, key=lambda s: s.arrival_time)), deque()
+        if concurrency is None:  # (arrival time, sequence), in order of arrival
+            pending = deque(sorted(((float(s.request.arrival_time), s) for s in seqs), key=lambda p: p[0]))
+            unreleased = deque()
         else:
             check_int("concurrency", concurrency)
-            pending, unreleased = deque(seqs[:concurrency]), deque(seqs[concurrency:])
-            for s in pending:
-                s.arrival_time = 0.0
+            pending, unreleased = deque((0.0, s) for s in seqs[:concurrency]), deque(seqs[concurrency:])
         self._start, self._idle = now(self.model.device), 0.0
         by_id, steps = {s.request.request_id: s for s in seqs}, []
 
         def end(seq: Sequence) -> None:  # a request left the system: in a closed loop, its user sends the next
             if unreleased:
-                nxt = unreleased.popleft()
-                nxt.arrival_time = seq.finish_time
-                pending.append(nxt)
+                pending.append((seq.finish_time, unreleased.popleft()))
 
         while True:
             t = self.clock()
-            while pending and pending[0].arrival_time <= t:
-                seq = pending.popleft()
+            while pending and pending[0][0] <= t:
+                arrival, seq = pending.popleft()
                 reason = self.rejection(seq.request)
                 if reason is None:
-                    self._queue(seq, seq.arrival_time)
+                    self._queue(seq, arrival)
                 else:
-                    seq.status, seq.reason, seq.finish_time = "rejected", reason, seq.arrival_time
+                    self.scheduler.reject(seq, reason, arrival)
                     end(seq)
-            if not self.live:
+            if not self._live:
                 if not pending:
                     break
-                self._idle += pending[0].arrival_time - t  # jump to the next arrival instead of sleeping
+                self._idle += pending[0][0] - t  # jump to the next arrival instead of sleeping
                 continue
             outputs = self.step()
             steps.append(self.last_step)
@@ -230,7 +241,8 @@ class Engine:
         return RunResult([s.record() for s in seqs], steps, self.clock(), self._idle)
 
     def rejection(self, request: Request) -> str | None:
-        """Why ``request`` can never be served by this engine, or None if it can."""
+        """Why ``request`` can never be served by this engine, or None if it can (its prompt and
+        ``max_tokens`` fit ``max_total_tokens``). Reads constants only: safe from any thread."""
         config, prompt = self.model.config, request.prompt_ids
         if not prompt:
             return "empty prompt"
@@ -239,22 +251,21 @@ class Engine:
         except ValueError as error:
             return str(error)
         total = len(prompt) + request.max_tokens
+        if total <= self.max_total_tokens:
+            return None
         if total > config.max_seq_len:
             return (f"prompt length {len(prompt)} + max_tokens {request.max_tokens} = {total} "
                     f"exceeds max_seq_len={config.max_seq_len}")
-        need = blocks_for(total - 1, self.blocks.block_size)  # the last token is never fed back
-        if need > self.blocks.num_blocks:
-            return (f"needs {need} KV blocks of {self.blocks.block_size} tokens, "
-                    f"more than the whole pool of {self.blocks.num_blocks}")
-        return None
+        need = blocks_for(kv_tokens_needed(total), self.blocks.block_size)
+        return (f"needs {need} KV blocks of {self.blocks.block_size} tokens, "
+                f"more than the whole pool of {self.blocks.num_blocks}")
 
-    def _queue(self, seq: Sequence, arrival_time: float | None) -> None:
+    def _queue(self, seq: Sequence, arrival_time: float) -> None:
         request_id = seq.request.request_id
-        if request_id in self.live:
+        if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already waiting or running")
-        seq.arrival_time = self.clock() if arrival_time is None else float(arrival_time)
-        self.live[request_id] = seq
-        self.scheduler.add(seq)
+        self._live[request_id] = seq
+        self.scheduler.add(seq, float(arrival_time))
 
     def _sequences(self, requests) -> list[Sequence]:
         if not isinstance(requests, (list, tuple)) or not all(isinstance(r, Request) for r in requests):
@@ -263,7 +274,7 @@ class Engine:
         if len(set(ids)) != len(ids):
             dup = next(i for i in ids if ids.count(i) > 1)
             raise ValueError(f"request_id {dup!r} appears more than once")
-        if self.live or self.blocks.num_used:
+        if self._live or self.blocks.num_used:
             raise RuntimeError("the engine is still holding requests from an earlier run")
         return [Sequence(r, self.model.device) for r in requests]
 
@@ -272,19 +283,9 @@ class Engine:
         counted from the tables themselves, not from the allocator's free list."""
         return len({b for s in self.scheduler.running + self.scheduler.padding for b in s.block_table})
 
-    def _emit(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
-        """Sample one token per row (each with its own parameters and generator), stamp, find who ended."""
-        tokens = [int(sample(logits[i:i + 1], s.request.sampling, s.generator)) for i, s in enumerate(seqs)]
-        t = self.clock()
-        outputs = []
-        for seq, token in zip(seqs, tokens):
-            seq.output_ids.append(token)
-            seq.token_times.append(t)
-            if token == self.eos_token_id and not seq.request.ignore_eos:
-                seq.reason = "eos"
-            elif len(seq.output_ids) == seq.request.max_tokens:
-                seq.reason = "max_tokens"
-            if seq.reason:
-                seq.finish_time = t
-            outputs.append(StepOutput(seq.request.request_id, [token], bool(seq.reason), seq.reason or None, t))
-        return outputs
+    @staticmethod
+    def _sample(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """One token per row of ``logits`` (n, vocab), for ``seqs[i]``. Row by row, on purpose: each request
+        has its own sampling parameters and its own seeded generator, so that its tokens do not depend on
+        who shares its batch (a batched sampler would draw every row from one random stream)."""
+        return [int(sample(logits[i:i + 1], s.request.sampling, s.generator)) for i, s in enumerate(seqs)]

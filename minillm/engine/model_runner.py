@@ -2,53 +2,76 @@
 one batched decode call. Returns the logits of every row that samples a token."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .paged_cache import MixedStepView, PagedCacheView, PagedKVPool
+from .request import Sequence
 from .scheduler import StepPlan
+
+
+@dataclass(frozen=True)
+class CallBatch:
+    """One batch of a step, ready for ``model(ids, positions, cache)``."""
+
+    ids: torch.Tensor  # (B, t) token ids
+    positions: torch.Tensor  # (B, t) their positions
+    cache: PagedCacheView  # the rows' block tables and cached lengths
+    sampled_rows: list[int]  # indices into the flattened (B * t) tokens whose logits give a token
+
+
+def padding_position(seq: Sequence) -> int:
+    """Where a static padding row is fed: its last cached position.
+
+    A finished sequence of a static batch stays in the batch (a fixed-shape batch on a GPU computes
+    every row until the whole batch is done). Its cache holds every token but the last
+    (``num_computed = num_tokens - 1``), so feeding the token at ``num_computed - 1`` (that is,
+    ``num_tokens - 2``) recomputes K and V that the cache already holds, into the slot that holds them
+    (the sequence never reads them again); its logits are thrown away."""
+    return seq.num_computed - 1
 
 
 class ModelRunner:
     """Runs one model over a paged KV pool (vLLM's name for the part that builds the input tensors).
 
     A plan is a list of batches: the decode rows as one ``(B, 1)`` batch (static padding rows
-    included), then each prefill chunk as a ``(1, t)`` batch. ``mixed``: all of them in one model
-    call, laid out back to back in one row of tokens (``MixedStepView``); otherwise each batch in a
-    call of its own.
+    included), then each prefill chunk as a ``(1, t)`` batch. ``one_call_per_step`` (what the engine's
+    ``enable_chunked_prefill`` implies): all of them in one model call, laid out back to back in one
+    row of tokens (``MixedStepView``); otherwise each batch in a call of its own.
     """
 
-    def __init__(self, model, pool: PagedKVPool):
-        self.model, self.pool = model, pool
+    def __init__(self, model, pool: PagedKVPool, one_call_per_step: bool = True):
+        self.model, self.pool, self.one_call_per_step = model, pool, one_call_per_step
 
-    def run(self, plan: StepPlan, mixed: bool) -> tuple[torch.Tensor, int]:
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor, int]:
         """-> (the logits of ``plan.sampled``, in that order (n, vocab), the number of model calls made)."""
         batches = self._batches(plan)
-        if not mixed or len(batches) == 1:
-            logits = [self.model(ids, positions, cache).flatten(0, 1)[rows]  # (rows, vocab)
-                      for ids, positions, cache, rows in batches]
+        if not self.one_call_per_step or len(batches) == 1:
+            logits = [self.model(b.ids, b.positions, b.cache).flatten(0, 1)[b.sampled_rows]  # (rows, vocab)
+                      for b in batches]
             return torch.cat(logits), len(batches)
-        ids = torch.cat([ids.flatten() for ids, _, _, _ in batches])[None]  # (1, N): batches back to back
-        positions = torch.cat([p.flatten() for _, p, _, _ in batches])[None]  # (1, N)
-        cache = MixedStepView([(*i.shape, c) for i, _, c, _ in batches], self.model.config.n_groups)
+        ids = torch.cat([b.ids.flatten() for b in batches])[None]  # (1, N): batches back to back
+        positions = torch.cat([b.positions.flatten() for b in batches])[None]  # (1, N)
+        cache = MixedStepView([(*b.ids.shape, b.cache) for b in batches], self.model.config.n_groups)
         rows, offset = [], 0
-        for batch_ids, _, _, batch_rows in batches:
-            rows += [offset + r for r in batch_rows]
-            offset += batch_ids.numel()
+        for b in batches:
+            rows += [offset + r for r in b.sampled_rows]
+            offset += b.ids.numel()
         return self.model(ids, positions, cache)[0, rows], 1  # (n, vocab)
 
-    def _batches(self, plan: StepPlan) -> list[tuple[torch.Tensor, torch.Tensor, PagedCacheView, list[int]]]:
-        """(ids, positions, cache, the token indices whose logits are sampled) of each batch."""
+    def _batches(self, plan: StepPlan) -> list[CallBatch]:
         device, batches = self.model.device, []
-        rows = [(s, s.num_tokens - 1) for s in plan.decode] + [(s, s.num_tokens - 2) for s in plan.padding]
+        rows = [(s, s.num_tokens - 1) for s in plan.decode] + [(s, padding_position(s)) for s in plan.padding]
         if rows:  # every running row at its own position, plus static padding rows
             ids = torch.tensor([[s.token_at(p)] for s, p in rows], device=device)  # (B, 1)
             positions = torch.tensor([[p] for _, p in rows], device=device)  # (B, 1)
             cache = PagedCacheView(self.pool, [s.block_table for s, _ in rows], [p for _, p in rows])
-            batches.append((ids, positions, cache, list(range(len(plan.decode)))))
+            batches.append(CallBatch(ids, positions, cache, list(range(len(plan.decode)))))
         for seq, n in plan.prefill:
             start = seq.num_computed
             ids = torch.tensor([seq.tokens[start:start + n]], device=device)  # (1, n)
             positions = torch.arange(start, start + n, device=device)[None]  # (1, n)
             last = [n - 1] if plan.finishes_prefill(seq, n) else []  # the same test as ``plan.sampled``
-            batches.append((ids, positions, PagedCacheView(self.pool, [seq.block_table], [start]), last))
+            batches.append(CallBatch(ids, positions, PagedCacheView(self.pool, [seq.block_table], [start]), last))
         return batches

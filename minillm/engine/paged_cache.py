@@ -1,11 +1,13 @@
-"""Paged KV cache: one pool of blocks per layer, a per-call view that speaks the model's cache protocol, and
-the mixed view of several batches in one row of tokens (the engine's mixed step)."""
+"""Paged KV cache: one pool of blocks per layer, a per-call view that implements ``minillm.cache.CacheView``,
+and the mixed view of several batches in one row of tokens (the engine's mixed step)."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
+from ..cache import Kernel, attention_mask
 from ..config import ModelConfig
-from ..model import attention_mask
 
 
 class PagedKVPool:
@@ -24,6 +26,7 @@ class PagedKVPool:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
+        self.n_groups = config.n_groups  # query heads per kv head: the layout of the views' masks
 
     @property
     def nbytes(self) -> int:
@@ -35,13 +38,21 @@ class PagedKVPool:
         return self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
 
 
+class _Slots(NamedTuple):
+    """One call's plan: its positions (B, T), the slots it writes (B*T,) and reads (B, S), its mask."""
+    positions: torch.Tensor
+    write: torch.Tensor
+    read: torch.Tensor
+    mask: torch.Tensor | None
+
+
 class PagedCacheView:
     """The rows of one batched model call, each reading and writing its own blocks.
 
-    Implements the model's cache protocol: ``lengths`` (B,) (tokens each row holds before the call),
-    ``check_room``, ``update`` (writes the new K, V into the blocks, returns every row's K, V
-    gathered by position) and ``commit``. Rows shorter than the longest one gather padding slots
-    past their own positions; the causal mask hides them.
+    Implements ``minillm.cache.CacheView``: ``attend`` writes the new K, V into the blocks and hands
+    the kernel every row's K, V gathered by position. ``lengths`` (B,): the tokens each row holds
+    before the call. Rows shorter than the longest one gather padding slots past their own
+    positions; the causal mask hides them.
     """
 
     def __init__(self, pool: PagedKVPool, block_tables: list[list[int]], lengths: list[int]):
@@ -51,39 +62,65 @@ class PagedCacheView:
         self.tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
                                    dtype=torch.long, device=pool.device)  # (B, width), padded with block 0
         self.n_blocks = torch.tensor([len(t) for t in block_tables], device=pool.device)  # (B,)
-        self._write = self._read = None  # slot ids, set by check_room
+        self._slots: _Slots | None = None  # this call's, set by begin
 
     def slot_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """positions (B, T) -> slot ids (B, T) in the flattened pool, through each row's block table."""
         bs = self.pool.block_size
         return self.tables.gather(1, positions // bs) * bs + positions % bs
 
+    def default_positions(self, batch: int, length: int, device: torch.device) -> torch.Tensor:
+        """Right after what each row holds: (B, T)."""
+        self._check_rows(batch)
+        return self.lengths[:, None] + torch.arange(length, device=device)  # (B, T)
+
     def check_room(self, positions: torch.Tensor) -> None:
-        """Every position must fall inside its own row's blocks; computes this call's slot ids once."""
+        """Raise ValueError unless every position falls inside its own row's blocks."""
+        self._check_rows(positions.shape[0])
         need = positions.max(dim=1).values // self.pool.block_size + 1  # (B,) blocks each row touches
         short = (need > self.n_blocks).nonzero()
         if len(short):
             row = int(short[0])
             raise ValueError(f"row {row} writes position {int(positions[row].max())} but holds only "
                              f"{int(self.n_blocks[row])} blocks of {self.pool.block_size} tokens")
-        B = positions.shape[0]
-        read = torch.arange(int(positions.max()) + 1, device=positions.device).expand(B, -1)  # (B, S)
-        self._write, self._read = self.slot_ids(positions).flatten(), self.slot_ids(read)
+
+    def begin(self, positions: torch.Tensor) -> None:
+        """Check the room; compute this call's slot ids and causal mask once for every layer."""
+        self._slots = self._plan(positions, with_mask=True)
+
+    def attend(self, layer, q, k, v, kernel: Kernel) -> torch.Tensor:
+        """Write this call's k, v into the blocks, then attend over every row's keys by position."""
+        K, V = self.update(layer, k, v, self._slots.positions)  # (B, Hkv, S, D)
+        return kernel(q, K, V, self._slots.mask)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """k, v: (B, Hkv, T, D) written at ``positions`` (B, T) -> K, V: (B, Hkv, S, D), index = position."""
+        plan = self._slots if self._slots is not None and self._slots.positions is positions \
+            else self._plan(positions, with_mask=False)  # planned once per call by begin, or here
         B, H, T, D = k.shape
         pk, pv = self.pool.slots(layer)  # (slots, Hkv, D)
-        pk.index_copy_(0, self._write, k.transpose(1, 2).reshape(B * T, H, D))
-        pv.index_copy_(0, self._write, v.transpose(1, 2).reshape(B * T, H, D))
-        S = self._read.shape[1]
-        read = self._read.flatten()  # (B * S,)
+        pk.index_copy_(0, plan.write, k.transpose(1, 2).reshape(B * T, H, D))
+        pv.index_copy_(0, plan.write, v.transpose(1, 2).reshape(B * T, H, D))
+        S = plan.read.shape[1]
+        read = plan.read.flatten()  # (B * S,)
         return (pk.index_select(0, read).view(B, S, H, D).transpose(1, 2),  # (B, Hkv, S, D)
                 pv.index_select(0, read).view(B, S, H, D).transpose(1, 2))
 
-    def commit(self, positions: torch.Tensor) -> None:
+    def end(self, positions: torch.Tensor) -> None:
         """After a forward pass: each row's length becomes its last position + 1."""
         self.lengths = positions[:, -1] + 1
+        self._slots = None
+
+    def _check_rows(self, batch: int) -> None:
+        if batch != self.lengths.shape[0]:
+            raise ValueError(f"input_ids has {batch} rows but the cache has batch_size={self.lengths.shape[0]}")
+
+    def _plan(self, positions: torch.Tensor, with_mask: bool) -> _Slots:
+        self.check_room(positions)
+        B, n_keys = positions.shape[0], int(positions.max()) + 1
+        read = torch.arange(n_keys, device=positions.device).expand(B, -1)  # (B, S)
+        mask = attention_mask(positions, n_keys, self.pool.n_groups, cached=True) if with_mask else None
+        return _Slots(positions, self.slot_ids(positions).flatten(), self.slot_ids(read), mask)
 
 
 class MixedStepView:
@@ -91,14 +128,15 @@ class MixedStepView:
 
     ``parts``: ``(rows, length, PagedCacheView)`` per batch, laid out back to back in the row
     (e.g. every decode row as a ``(B, 1)`` batch, then each prefill chunk as a ``(1, t)`` batch). The
-    model computes every projection and the MLP once over all the row's tokens; attention runs batch
-    by batch (``split``, then ``join``), each batch reading and writing its own blocks with its own
-    causal mask, so no token attends to another sequence and no padding is computed.
+    model computes every projection and the MLP once over all the row's tokens; ``attend`` cuts the
+    row's q, k, v into the batches, lets each batch's view attend (its own blocks, its own causal
+    mask, so no token attends to another sequence and no padding is computed), and joins the outputs.
+    ``n_groups``: the model's query heads per kv head (each part's view builds its mask with it).
     """
 
     def __init__(self, parts: list[tuple[int, int, PagedCacheView]], n_groups: int):
         self.parts, self.n_groups = parts, n_groups
-        self._positions = self._masks = None  # per part, set by check_room
+        self._positions = None  # per part, set by begin
 
     def _cut(self, x: torch.Tensor):
         """x: (1, heads, N, D) -> one (rows, heads, length, D) tensor per part."""
@@ -108,28 +146,31 @@ class MixedStepView:
             start += rows * length
         return out
 
-    def check_room(self, positions: torch.Tensor) -> None:
-        """positions: (1, N). Checks each part's room and builds each part's causal mask once per call."""
+    def default_positions(self, batch: int, length: int, device: torch.device) -> torch.Tensor:
+        raise ValueError("a mixed batch needs explicit positions")
+
+    def begin(self, positions: torch.Tensor) -> None:
+        """positions: (1, N). Each part's view checks its room and plans its writes and mask."""
         n = sum(rows * length for rows, length, _ in self.parts)
         if positions.shape != (1, n):
             raise ValueError(f"positions shape {tuple(positions.shape)} != (1, {n}), the parts' tokens")
-        self._positions, self._masks, start = [], [], 0
+        for _, _, cache in self.parts:
+            if cache.pool.n_groups != self.n_groups:
+                raise ValueError(f"n_groups={self.n_groups} but a part's pool has {cache.pool.n_groups}")
+        self._positions, start = [], 0
         for rows, length, cache in self.parts:
             pos = positions[0, start:start + rows * length].view(rows, length)  # (rows, length)
-            cache.check_room(pos)
+            cache.begin(pos)
             self._positions.append(pos)
-            self._masks.append(attention_mask(pos, int(pos.max()) + 1, self.n_groups, cached=True))
             start += rows * length
 
-    def split(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """q: (1, H, N, D), k, v: (1, Hkv, N, D) -> per part, the arguments of ``Attention.attend``."""
-        return zip(self._cut(q), self._cut(k), self._cut(v), self._positions, self._masks,
-                   [cache for _, _, cache in self.parts])
+    def attend(self, layer, q, k, v, kernel: Kernel) -> torch.Tensor:
+        """q: (1, H, N, D), k, v: (1, Hkv, N, D) -> (1, H, N, D), attended part by part."""
+        outs = [cache.attend(layer, *qkv, kernel)  # (rows, H, length, D)
+                for qkv, (_, _, cache) in zip(zip(self._cut(q), self._cut(k), self._cut(v)), self.parts)]
+        return torch.cat([o.transpose(0, 1).flatten(1, 2) for o in outs], dim=1)[None]  # back in row order
 
-    def join(self, outs: list[torch.Tensor]) -> torch.Tensor:
-        """Per part (rows, H, length, D) -> (1, H, N, D), back in the row's order."""
-        return torch.cat([o.transpose(0, 1).flatten(1, 2) for o in outs], dim=1)[None]
-
-    def commit(self, positions: torch.Tensor) -> None:
+    def end(self, positions: torch.Tensor) -> None:
         for (_, _, cache), pos in zip(self.parts, self._positions):
-            cache.commit(pos)
+            cache.end(pos)
+        self._positions = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -42,6 +43,21 @@ class Request:
         check_seed("seed", self.seed)
 
 
+class Status(str, Enum):
+    """Where a sequence is in its life. A ``str`` enum: ``Status.FINISHED == "finished"``, and records and
+    JSON carry the plain strings."""
+
+    PENDING = "pending"  # made, not yet arrived (a whole run releases it at its arrival time)
+    WAITING = "waiting"  # queued: not admitted yet, or preempted
+    RUNNING = "running"  # admitted: holds a batch slot and blocks
+    FINISHED = "finished"  # ended with "eos" or "max_tokens"
+    REJECTED = "rejected"  # never admitted: the engine can never serve it (the reason says why)
+    ABORTED = "aborted"  # dropped while waiting or running (e.g. its client left)
+
+    __str__ = str.__str__  # "finished", not "Status.FINISHED"
+    __format__ = str.__format__
+
+
 @dataclass(frozen=True)
 class RequestRecord:
     """What happened to one request; every time is in seconds from the start of the run.
@@ -52,8 +68,8 @@ class RequestRecord:
     """
 
     request_id: int | str
-    status: str  # "finished" | "rejected"
-    reason: str  # why it ended: "eos", "max_tokens", or the rejection reason
+    status: Status  # FINISHED, REJECTED or ABORTED (a str: "finished", "rejected", "aborted")
+    reason: str  # why it ended: "eos", "max_tokens", "abort", or the rejection reason
     prompt_len: int
     output_ids: list[int]
     arrival_time: float
@@ -83,6 +99,9 @@ class Sequence:
     every token it holds is prefill, computed in chunks (or found in the prefix cache) up to
     ``prefill_end``; the chunk that reaches it yields the next token. After that, each step feeds the
     last token at position ``num_tokens - 1`` (decode): the cache then holds every token but the last.
+
+    Who writes what: the ``Scheduler`` owns its state (status, progress, output, times, finish
+    reason, counters); the ``BlockManager`` owns ``block_table`` and ``block_keys``. Everyone else reads.
     """
 
     def __init__(self, request: Request, device: torch.device):
@@ -94,7 +113,8 @@ class Sequence:
         self.num_computed = self.prefill_end = 0
         self.arrival_time: float | None = None  # known once it arrives (closed loop: on release)
         self.finish_time: float | None = None
-        self.status, self.reason, self.preemptions = "pending", "", 0
+        self.status, self.preemptions = Status.PENDING, 0
+        self.finish_reason: str | None = None  # None until it ends: "eos", "max_tokens", "abort", or a rejection
         self.cached_tokens = self.prefill_tokens = 0
         self.generator = (torch.Generator(device=device).manual_seed(request.seed)
                           if request.seed is not None else None)
@@ -112,12 +132,27 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.request.prompt_ids) + len(self.output_ids)
 
+    def block(self, i: int, block_size: int) -> list[int]:
+        """The tokens of its ``i``-th block of ``block_size`` (the last one may be partial)."""
+        start, end, prompt = i * block_size, (i + 1) * block_size, self.request.prompt_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        return prompt[start:] + self.output_ids[max(0, start - len(prompt)):end - len(prompt)]
+
+    @property
+    def finished(self) -> bool:
+        """True once it has ended, for whatever reason (``finish_reason`` says which)."""
+        return self.finish_reason is not None
+
     @property
     def prefilling(self) -> bool:
         """True until the prefill since its last admission has reached its end."""
         return self.num_computed < self.prefill_end
 
     def record(self) -> RequestRecord:
-        return RequestRecord(self.request.request_id, self.status, self.reason, len(self.request.prompt_ids),
-                             list(self.output_ids), self.arrival_time, list(self.token_times),
-                             self.finish_time, self.preemptions, self.cached_tokens, self.prefill_tokens)
+        """What happened to it (call once it has ended)."""
+        return RequestRecord(
+            request_id=self.request.request_id, status=self.status, reason=self.finish_reason,
+            prompt_len=len(self.request.prompt_ids), output_ids=list(self.output_ids),
+            arrival_time=self.arrival_time, token_times=list(self.token_times), finish_time=self.finish_time,
+            preemptions=self.preemptions, cached_tokens=self.cached_tokens, prefill_tokens=self.prefill_tokens)

@@ -1,16 +1,27 @@
 """Who runs this step, and how many of their tokens: the waiting and running queues, two batching
-policies, a per-step token budget, preemption."""
+policies, a per-step token budget, preemption; and, once the step has run, what its tokens change."""
 from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..validate import check_int
 from .block_manager import BlockManager
-from .request import Sequence
+from .config import POLICIES
+from .request import Sequence, Status, StepOutput
 
-POLICIES = ("continuous", "static")
+__all__ = ["POLICIES", "Scheduler", "StepPlan", "may_admit"]
+
+
+def may_admit(policy: str, preempted: bool, busy: bool) -> bool:
+    """Whether a step may admit waiting requests at all: the whole difference between the two policies.
+
+    ``busy``: something still holds a batch slot. Static batching admits only into an empty batch;
+    continuous batching admits at every step, except one that had to preempt while others still run
+    (the preempted would be readmitted at once, into the room just freed). The engine's ``Scheduler``
+    and the model-free simulator of lab 2.3 (``minillm.book.labs.batching``) both ask this.
+    """
+    return not busy or (policy == "continuous" and not preempted)
 
 
 @dataclass(frozen=True)
@@ -22,23 +33,26 @@ class StepPlan:
     padding: list[Sequence]  # static only: finished rows still computed, their tokens thrown away
     preempted: int
     cached_tokens: int  # tokens this step's admissions found in the prefix cache
+    sampled: list[Sequence] = field(init=False)  # set from the others, before anything runs: see below
+
+    def __post_init__(self) -> None:
+        # The sequences that get a token this step, in the order of the runner's logits: every decode row,
+        # then every prefill chunk that reaches the end of its prefill. Fixed here, while ``num_computed``
+        # is still where the step starts (postprocessing moves it).
+        object.__setattr__(self, "sampled", self.decode + [s for s, n in self.prefill if self.finishes_prefill(s, n)])
 
     @staticmethod
     def finishes_prefill(seq: Sequence, n: int) -> bool:
         """True when ``n`` prefill tokens from ``seq.num_computed`` reach the end of its prefill: that chunk's
-        last logits give the sequence its next token (a chunk short of the end samples nothing)."""
+        last logits give the sequence its next token (a chunk short of the end samples nothing).
+        Ask before the step's postprocessing, which advances ``num_computed``."""
         return seq.num_computed + n == seq.prefill_end
-
-    @property
-    def sampled(self) -> list[Sequence]:
-        """The sequences that get a token this step, in the order of the runner's logits: every decode row,
-        then every prefill chunk that reaches the end of its prefill."""
-        return self.decode + [s for s, n in self.prefill if self.finishes_prefill(s, n)]
 
 
 class Scheduler:
     """Moves sequences waiting -> running -> finished under a batch limit, a block budget and a
-    token budget.
+    token budget; the one owner of every ``Sequence``'s state (nano-vllm's split: the engine's step is
+    ``schedule``, the model runs, ``postprocess``).
 
     ``continuous`` (iteration-level, Orca/vLLM): every step admits waiting sequences while the batch
     limit, the free blocks and the token budget allow, and a finished sequence frees its slot and
@@ -56,26 +70,32 @@ class Scheduler:
     step finds no free block, the most recently admitted running sequence is preempted: its blocks
     are freed and it goes back to the front of the waiting queue, to be recomputed (prompt + output
     so far) when it resumes (vLLM's policy).
+
+    The arguments are checked by ``EngineConfig`` (the ``Engine`` builds the Scheduler from one):
+    ``max_num_batched_tokens`` is None (no limit) or >= ``max_batch_size``, so that every running
+    sequence's decode token fits in a step.
     """
 
     def __init__(self, policy: str, max_batch_size: int, blocks: BlockManager,
-                 max_num_batched_tokens: int | None = None, max_prefill_chunk: int | None = None):
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r}; choose one of {POLICIES}")
-        check_int("max_batch_size", max_batch_size)
-        # max_num_batched_tokens (None: no limit) is checked by Engine, which builds the Scheduler:
-        # an int >= max_batch_size, so that every running sequence's decode token fits in a step
-        if max_prefill_chunk is not None:
-            check_int("max_prefill_chunk", max_prefill_chunk)
+                 max_num_batched_tokens: int | None = None, max_prefill_chunk: int | None = None,
+                 eos_token_id: int | None = None):
         self.policy, self.max_batch_size, self.blocks = policy, max_batch_size, blocks
         self.max_num_batched_tokens, self.max_prefill_chunk = max_num_batched_tokens, max_prefill_chunk
+        self.eos_token_id = eos_token_id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of admission
         self.padding: list[Sequence] = []  # static: finished, still holding slot and blocks
 
-    def add(self, seq: Sequence) -> None:
-        seq.status = "waiting"
+    def add(self, seq: Sequence, arrival_time: float) -> None:
+        """Queue ``seq``, which arrived at ``arrival_time`` on the engine's clock."""
+        seq.status, seq.arrival_time = Status.WAITING, arrival_time
         self.waiting.append(seq)
+
+    @staticmethod
+    def reject(seq: Sequence, reason: str, arrival_time: float) -> None:
+        """End ``seq`` at its arrival without queuing it: the engine can never serve it."""
+        seq.status, seq.finish_reason = Status.REJECTED, reason
+        seq.arrival_time = seq.finish_time = arrival_time
 
     def schedule(self) -> StepPlan:
         """Decode rows first (growing their tables, preempting the newest when blocks run
@@ -84,7 +104,7 @@ class Scheduler:
         unless nothing is left running."""
         decode, preempted = [], 0
         for seq in list(self.running):
-            if seq.status != "running" or seq.prefilling:
+            if seq.status != Status.RUNNING or seq.prefilling:
                 continue  # preempted in this loop, or still in prefill
             while not self.blocks.can_hold(seq, seq.num_tokens):
                 victim = self.running[-1]
@@ -104,42 +124,71 @@ class Scheduler:
                 prefill.append((seq, self._chunk(seq, budget)))
                 budget -= prefill[-1][1]
         cached = 0
-        if not self.running or (self.policy == "continuous" and not preempted):
+        if may_admit(self.policy, bool(preempted), busy=bool(self.running)):
             # a static batch forms whole (its chunks come in later steps)
             while self.waiting and len(self.running) < self.max_batch_size and (
                     budget > 0 or self.policy == "static"):
                 seq = self.waiting[0]
-                if not self.blocks.admit(seq):
+                hit = self.blocks.admit(seq)  # tokens found in the prefix cache, or None: no room
+                if hit is None:
                     break  # first come, first served: no one overtakes the head of the queue
                 self.waiting.popleft()
-                seq.status, seq.prefill_end = "running", seq.num_tokens
-                seq.cached_tokens += seq.num_computed
-                cached += seq.num_computed
+                seq.status, seq.prefill_end, seq.num_computed = Status.RUNNING, seq.num_tokens, hit
+                seq.cached_tokens += hit
+                cached += hit
                 self.running.append(seq)
                 if budget > 0:
                     prefill.append((seq, self._chunk(seq, budget)))
                     budget -= prefill[-1][1]
         return StepPlan(decode, prefill, list(self.padding), preempted, cached)
 
-    def finish(self, seq: Sequence) -> None:
-        """Continuous: release a finished sequence's slot and blocks at once; static: at batch end."""
-        self.running.remove(seq)
-        seq.status = "finished"
-        if self.policy == "static":
-            self.padding.append(seq)
-        else:
-            self.blocks.free(seq)
-        self._close_batch()
+    def postprocess(self, plan: StepPlan, tokens: list[int], time: float) -> list[StepOutput]:
+        """Apply a step that has run: ``tokens[i]`` is the token sampled for ``plan.sampled[i]``, ready at
+        ``time`` on the engine's clock.
 
-    def abort(self, seq: Sequence) -> None:
-        """Take a waiting or running sequence out, freeing its blocks at once."""
+        Advances every row's computed tokens (and counts the prefill ones), registers the blocks they
+        filled in the prefix cache, appends each token and its time, ends the sequences that reached
+        EOS or ``max_tokens``, and releases them. Returns one ``StepOutput`` per sampled sequence.
+        """
+        if len(tokens) != len(plan.sampled):
+            raise ValueError(f"{len(tokens)} tokens for {len(plan.sampled)} sampled sequences")
+        for seq, n in plan.prefill:
+            seq.num_computed += n
+            seq.prefill_tokens += n
+        for seq in plan.decode:
+            seq.num_computed += 1
+        for seq in self.running:
+            self.blocks.cache_full_blocks(seq)
+        outputs = []
+        for seq, token in zip(plan.sampled, tokens):
+            seq.output_ids.append(token)
+            seq.token_times.append(time)
+            if token == self.eos_token_id and not seq.request.ignore_eos:
+                self._finish(seq, "eos", time)
+            elif len(seq.output_ids) == seq.request.max_tokens:
+                self._finish(seq, "max_tokens", time)
+            outputs.append(StepOutput(seq.request.request_id, [token], seq.finished, seq.finish_reason, time))
+        return outputs
+
+    def abort(self, seq: Sequence, time: float) -> None:
+        """Take a waiting or running sequence out at ``time``, freeing its blocks at once."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         else:
             self.running.remove(seq)
             self.blocks.free(seq)
             self._close_batch()
-        seq.status = "aborted"
+        seq.status, seq.finish_reason, seq.finish_time = Status.ABORTED, "abort", time
+
+    def _finish(self, seq: Sequence, reason: str, time: float) -> None:
+        """Continuous: release a finished sequence's slot and blocks at once; static: at batch end."""
+        self.running.remove(seq)
+        seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, time
+        if self.policy == "static":
+            self.padding.append(seq)
+        else:
+            self.blocks.free(seq)
+        self._close_batch()
 
     def _chunk(self, seq: Sequence, budget: float) -> int:
         """Prefill tokens ``seq`` computes this step: what it has left, within the budget
@@ -156,6 +205,6 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
-        seq.status, seq.num_computed = "waiting", 0
+        seq.status, seq.num_computed = Status.WAITING, 0
         seq.preemptions += 1
         self.waiting.appendleft(seq)

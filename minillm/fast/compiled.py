@@ -5,9 +5,10 @@ reads positions back to Python (``int(positions.max())``), picks a mask, and att
 cache slice one position longer at every step: new shapes and host decisions each call,
 which a compiler cannot capture once. The step here does one thing: each of B rows feeds
 one token at its position and attends the *whole* preallocated cache, the positions not
-yet written masked out. Its shapes never change, so ``torch.compile`` traces it once (on a
-CPU it fuses the small element-wise operations into generated C++ loops; on CUDA, mode
-``"reduce-overhead"`` also records it as a CUDA graph that replays with one launch).
+yet written masked out (``StaticCacheView``, through the model's own layers). Its shapes never
+change, so ``torch.compile`` traces it once (on a CPU it fuses the small element-wise operations
+into generated C++ loops; on CUDA, mode ``"reduce-overhead"`` also records it as a CUDA graph
+that replays with one launch).
 
     decoder = StaticDecoder(model, max_len=256)  # compiled where a compiler is present
     tokens = decoder.generate(prompt_ids, max_new_tokens=64)
@@ -19,15 +20,47 @@ import os
 import shutil
 
 import torch
-import torch.nn.functional as F
 
-from ..cache import KVCache
+from ..cache import Kernel, KVCache, causal_mask, grouped
 from ..generate import as_prompt_tensor, check_lengths
-from ..model import CausalLM, apply_rotary
+from ..model import CausalLM
 from ..validate import check_int
 
 BACKENDS = ("auto", "compile", "eager")
 CXX_NAMES = ("g++", "c++", "clang++")
+
+
+class StaticCacheView:
+    """A ``minillm.cache.CacheView`` of fixed shapes (gpt-fast's cache): every call attends all
+    ``max_len`` preallocated positions, the mask made from the positions, with no host sync.
+
+    keys[i], values[i]: (B, n_kv_heads, max_len, head_dim) of layer i, e.g. a ``KVCache``'s ``k``
+    and ``v``. Written in place (their addresses never change, as a CUDA graph needs). The caller
+    keeps the lengths (``end`` does nothing), so it needs explicit positions.
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], n_groups: int):
+        self.keys, self.values, self.n_groups = keys, values, n_groups
+        self._positions = self._rows = self._mask = None
+
+    def default_positions(self, batch: int, length: int, device: torch.device) -> torch.Tensor:
+        raise ValueError("the static view keeps no lengths: give the positions")
+
+    def begin(self, positions: torch.Tensor) -> None:
+        """positions: (B, T). Only tensor operations: no check of the room (the caller's)."""
+        self._positions = positions
+        self._rows = torch.arange(positions.shape[0], device=positions.device)[:, None]  # (B, 1)
+        mask = causal_mask(positions, self.keys[0].shape[2])  # (B, 1, T, max_len)
+        self._mask = grouped(mask, self.n_groups)  # (B, 1, G*T, max_len)
+
+    def attend(self, layer, q, k, v, kernel: Kernel) -> torch.Tensor:
+        keys, values = self.keys[layer], self.values[layer]
+        keys[self._rows, :, self._positions] = k.transpose(1, 2)  # (B, T, Hkv, D), each row at its positions
+        values[self._rows, :, self._positions] = v.transpose(1, 2)
+        return kernel(q, keys, values, self._mask)  # every position; those after each query masked
+
+    def end(self, positions: torch.Tensor) -> None:
+        self._positions = self._rows = self._mask = None
 
 
 def decode_step(model: CausalLM, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -36,30 +69,14 @@ def decode_step(model: CausalLM, keys: list[torch.Tensor], values: list[torch.Te
 
     token: (B, 1) ids; position: (B,) where each row's token goes. keys[i], values[i]:
     (B, n_kv_heads, max_len, head_dim) of layer i, every position < ``position`` written.
-    Each call attends all max_len positions and masks those after ``position``.
+    The model's own layers run through a ``StaticCacheView``: each call attends all
+    max_len positions and masks those after ``position``.
     """
-    B = token.shape[0]
-    x = model.model.embed_tokens(token)  # (B, 1, d_model)
-    cos, sin = model.model.rotary_emb(position[:, None], x.dtype)  # (B, 1, 1, head_dim)
-    max_len = keys[0].shape[2]
-    visible = torch.arange(max_len, device=token.device) <= position[:, None]  # (B, S)
-    mask = visible[:, None, None, :]  # (B, 1, 1, S): the same for every head
-    rows = torch.arange(B, device=token.device)  # (B,)
-    for i, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        H, Hkv, D = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        h = layer.input_layernorm(x)  # (B, 1, d_model)
-        q = attn.q_proj(h).view(B, 1, H, D).transpose(1, 2)  # (B, H, 1, D)
-        k = attn.k_proj(h).view(B, 1, Hkv, D).transpose(1, 2)  # (B, Hkv, 1, D)
-        v = attn.v_proj(h).view(B, 1, Hkv, D).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        keys[i][rows, :, position] = k[:, :, 0]  # (B, Hkv, D), each row at its position
-        values[i][rows, :, position] = v[:, :, 0]
-        q = q.reshape(B, Hkv, H // Hkv, D)  # (B, Hkv, G, D): the query heads of a kv head
-        out = F.scaled_dot_product_attention(q, keys[i], values[i], attn_mask=mask)
-        x = x + attn.o_proj(out.reshape(B, 1, H * D))  # out: (B, Hkv, G, D)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(model.model.norm(x))[:, 0]  # (B, vocab)
+    cache, positions = StaticCacheView(keys, values, model.config.n_groups), position[:, None]  # (B, 1)
+    cache.begin(positions)
+    logits = model.compute(token, positions, cache)  # (B, 1, vocab): no checks, no host sync
+    cache.end(positions)
+    return logits[:, 0]
 
 
 def find_compiler(device: torch.device) -> str | None:

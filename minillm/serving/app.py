@@ -49,10 +49,7 @@ class Frontend:
 
     def __init__(self, tokenizer, loop: EngineLoop, model_name: str):
         self.tokenizer, self.loop, self.model_name = tokenizer, loop, model_name
-        engine = loop.engine
-        # the longest prompt + reply the engine accepts: the context, and the whole KV pool (+1: the
-        # last token is never fed back, so it needs no slot)
-        self.max_total = min(engine.model.config.max_seq_len, engine.blocks.num_blocks * engine.blocks.block_size + 1)
+        self.max_total = loop.engine.max_total_tokens  # the longest prompt + reply the engine accepts
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:

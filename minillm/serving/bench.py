@@ -13,6 +13,11 @@ client stamps each chunk when it arrives and computes TTFT, TPOT, ITL, E2E, thro
 with ``minillm.analysis.metrics`` (vLLM's definitions). A chunk counts one token, or as many as its
 ``token_ids`` lists when the server sends them. ``--compare-engine`` (minillm servers only) also reads
 the engine's own timestamps of the same requests and prints what HTTP and streaming added.
+
+A request counts as completed only when its stream carried tokens and ended with ``[DONE]`` or a
+``finish_reason``. Anything else (an HTTP error, a stream cut short, a chunk that is not OpenAI's shape, no
+token for ``--timeout`` seconds, more than ``--request-timeout`` seconds in all) makes it a failed request
+with its reason; the run goes on, and always ends with its table (and its ``--json``).
 """
 from __future__ import annotations
 
@@ -113,50 +118,110 @@ def payload(model: str, request: Request) -> dict:
     return body
 
 
-async def send(client, url: str, model: str, request: Request, t0: float, clock) -> ClientRecord:
-    """Send one streaming request; stamp each chunk as its line arrives, before parsing it."""
-    arrival, times, text = clock() - t0, [], []
-    response_id = usage_tokens = finish = error = None
-    prompt_len = len(request.prompt_ids)
-    try:
-        async with client.stream("POST", f"{url}/completions", json=payload(model, request)) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                raise ValueError(f"HTTP {response.status_code}: {body[:300]}")
-            async for line in response.aiter_lines():
-                now = clock() - t0
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
+class StreamError(ValueError):
+    """A server's answer the client cannot count as a completed request (the message says why)."""
+
+
+def _check_chunk(chunk) -> tuple[list[dict], dict | None]:
+    """A chunk's choices and usage, or StreamError when the chunk is not shaped like OpenAI's."""
+    if not isinstance(chunk, dict):
+        raise StreamError(f"a chunk is a JSON {type(chunk).__name__}, not an object: {str(chunk)[:100]}")
+    if "error" in chunk:
+        raise StreamError(f"the server failed mid-stream: {str(chunk['error'])[:300]}")
+    choices, usage = chunk.get("choices"), chunk.get("usage")
+    if choices is not None and not (isinstance(choices, list) and all(isinstance(c, dict) for c in choices)):
+        raise StreamError(f"a chunk's choices is not a list of objects: {str(choices)[:100]}")
+    if usage is not None and not isinstance(usage, dict):
+        raise StreamError(f"a chunk's usage is not an object: {str(usage)[:100]}")
+    for choice in choices or []:
+        ids = choice.get("token_ids")
+        if ids is not None and not isinstance(ids, list):
+            raise StreamError(f"a choice's token_ids is not a list: {str(ids)[:100]}")
+    return choices or [], usage
+
+
+class _Stream:
+    """What one request has received so far (kept when a deadline cuts it)."""
+
+    def __init__(self, prompt_len: int):
+        self.times, self.text, self.prompt_len = [], [], prompt_len
+        self.response_id = self.usage_tokens = self.finish = None
+        self.done = False  # saw data: [DONE]
+
+
+async def _receive(client, url: str, model: str, request: Request, t0: float, clock, idle_timeout: float | None,
+                   got: _Stream) -> None:
+    """Stream one request into ``got``; stamp each chunk as its line arrives, before parsing it.
+    ``idle_timeout``: seconds the stream may go without a token (SSE comments and empty events do not count:
+    a server that sends a keep-alive comment every second would reset httpx's read timeout forever)."""
+    async with client.stream("POST", f"{url}/completions", json=payload(model, request)) as response:
+        if response.status_code != 200:
+            body = (await response.aread()).decode(errors="replace")
+            raise ValueError(f"HTTP {response.status_code}: {body[:300]}")
+        last_token = time.monotonic()
+        async for line in response.aiter_lines():
+            now = clock() - t0
+            if idle_timeout is not None and time.monotonic() - last_token > idle_timeout:
+                raise StreamError(f"no token for {idle_timeout:g} s (the server kept the stream open without one)")
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                got.done = True
+                break
+            try:
                 chunk = json.loads(data)
-                if "error" in chunk:
-                    raise ValueError(f"the server failed mid-stream: {chunk['error']}")
-                response_id = response_id or chunk.get("id")
-                for choice in chunk.get("choices") or []:
-                    ids = choice.get("token_ids")
-                    times += [now] * (len(ids) if isinstance(ids, list) else 1)
-                    text.append(choice.get("text") or "")
-                    finish = choice.get("finish_reason") or finish
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"].get("completion_tokens")
-                    prompt_len = chunk["usage"].get("prompt_tokens", prompt_len)
-    except (httpx.HTTPError, ValueError) as e:
-        error, times = f"{type(e).__name__}: {e}", []
-    return ClientRecord(request.request_id, prompt_len, arrival, times, response_id, usage_tokens, finish,
-                        "".join(text), error)
+            except ValueError:
+                raise StreamError(f"a chunk is not JSON: {data[:100]!r}") from None
+            choices, usage = _check_chunk(chunk)
+            got.response_id = got.response_id or (chunk.get("id") if isinstance(chunk.get("id"), str) else None)
+            for choice in choices:
+                ids = choice.get("token_ids")
+                got.times += [now] * (len(ids) if isinstance(ids, list) else 1)
+                text = choice.get("text")
+                got.text.append(text if isinstance(text, str) else "")
+                finish = choice.get("finish_reason")
+                got.finish = finish if isinstance(finish, str) else got.finish
+                last_token = time.monotonic()
+            if usage:
+                tokens, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+                got.usage_tokens = tokens if isinstance(tokens, int) else got.usage_tokens
+                got.prompt_len = prompt if isinstance(prompt, int) else got.prompt_len
+
+
+async def send(client, url: str, model: str, request: Request, t0: float, clock,
+               request_timeout: float | None = None, idle_timeout: float | None = None) -> ClientRecord:
+    """Send one streaming request and record it. Whatever goes wrong (HTTP errors, a stream cut short, a
+    chunk of the wrong shape, a deadline) ends this request alone, as a failed record that says why.
+
+    A request counts as completed only if its stream carried tokens and ended properly: with
+    ``data: [DONE]`` or a choice's ``finish_reason``. ``request_timeout``: seconds for the whole request."""
+    arrival, got = clock() - t0, _Stream(len(request.prompt_ids))
+    error = None
+    try:
+        await asyncio.wait_for(_receive(client, url, model, request, t0, clock, idle_timeout, got), request_timeout)
+        if not got.times:
+            error = "StreamError: the stream ended without a token" + (" ([DONE] only)" if got.done else "")
+        elif not got.done and got.finish is None:
+            error = (f"StreamError: the stream ended after {len(got.times)} token(s) without [DONE] or a "
+                     "finish_reason (cut short?)")
+    except asyncio.TimeoutError:
+        error = f"TimeoutError: the request took more than {request_timeout:g} s ({len(got.times)} token(s) came)"
+    except Exception as e:  # one request's failure, whatever it is, is that request's record
+        error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return ClientRecord(request.request_id, got.prompt_len, arrival, [] if error else got.times, got.response_id,
+                        got.usage_tokens, got.finish, "".join(got.text), error)
 
 
 async def _run(url: str, model: str, requests: list[Request], concurrency: int | None, timeout: float, clock,
-               transport) -> tuple[list[ClientRecord], float]:
+               transport, request_timeout: float | None) -> tuple[list[ClientRecord], float]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
         t0 = clock()
         if concurrency is None:  # open loop: each request leaves at its arrival time, whatever the server does
             async def at(request: Request) -> ClientRecord:
                 await asyncio.sleep(max(0.0, request.arrival_time - (clock() - t0)))
-                return await send(client, url, model, request, t0, clock)
+                return await send(client, url, model, request, t0, clock, request_timeout, timeout)
 
             records = await asyncio.gather(*(at(r) for r in requests))
         else:  # closed loop: each user sends its next request when its last one has ended
@@ -164,7 +229,8 @@ async def _run(url: str, model: str, requests: list[Request], concurrency: int |
 
             async def user() -> None:
                 for request in queue:
-                    done[request.request_id] = await send(client, url, model, request, t0, clock)
+                    done[request.request_id] = await send(client, url, model, request, t0, clock, request_timeout,
+                                                          timeout)
 
             await asyncio.gather(*(user() for _ in range(concurrency)))
             records = [done[r.request_id] for r in requests]
@@ -172,18 +238,23 @@ async def _run(url: str, model: str, requests: list[Request], concurrency: int |
 
 
 def run_benchmark(url: str, model: str, requests: list[Request], *, concurrency: int | None = None,
-                  slo: SLO | None = None, timeout: float = 600.0, clock=time.perf_counter,
-                  transport=None) -> BenchResult:
+                  slo: SLO | None = None, timeout: float = 600.0, request_timeout: float | None = None,
+                  clock=time.perf_counter, transport=None) -> BenchResult:
     """Send ``requests`` to the server at ``url`` (ending in ``/v1``) and measure them.
 
     Open loop (``concurrency=None``): request i is sent at its ``arrival_time`` (seconds from the
     start). Closed loop: ``concurrency`` users, each sending its next request when its last one ends.
-    ``timeout``: seconds any one read may wait. Works inside a running event loop (Jupyter) too.
+    ``timeout``: seconds any one read may wait, and a stream may go without a token; ``request_timeout``:
+    seconds for a whole request (None: no limit). A request that fails in any way is a failed record with its
+    reason in ``error``; the run itself does not raise. Works inside a running event loop (Jupyter) too.
     """
     url = url.rstrip("/")
     if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
         raise ValueError(f"concurrency={concurrency!r} must be an integer >= 1 (or None: open loop)")
-    coroutine = _run(url, model, requests, concurrency, timeout, clock, transport)
+    for name, value in (("timeout", timeout), ("request_timeout", request_timeout)):
+        if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            raise ValueError(f"{name}={value!r} must be a number of seconds > 0")
+    coroutine = _run(url, model, requests, concurrency, timeout, clock, transport, request_timeout)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -296,7 +367,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                         help="let requests stop at EOS (default: ask for ignore_eos, a vLLM extension)")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                         help="SLOs for goodput in ms, e.g. ttft:300 tpot:30 (also e2e:MS)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds a read may wait (default 600)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds a read may wait, and a stream may go without a token (default 600)")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds a whole request may take; past it, it counts as failed (default: no limit)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--compare-engine", action="store_true",
                         help="minillm servers: compare with the engine's own timestamps of the same requests")
@@ -307,6 +381,8 @@ def workload(args: argparse.Namespace) -> tuple[list[Request], int | None]:
     """The requests and the concurrency (None: open loop) the arguments ask for; ValueError if they clash."""
     if args.concurrency is not None and args.request_rate is not None:
         raise ValueError("give --request-rate (open loop) or --concurrency (closed loop), not both")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ValueError(f"--concurrency {args.concurrency}: give at least 1 user")
     rate = math.inf if args.request_rate is None else args.request_rate
     arrivals = poisson_arrivals(args.num_requests, rate, seed=args.seed, burstiness=args.burstiness)
     requests = random_requests(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), seed=args.seed,
@@ -325,13 +401,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         slo = parse_slo(args.goodput)
         requests, concurrency = workload(args)
-        if not args.timeout > 0:
-            raise ValueError(f"--timeout {args.timeout} must be > 0 seconds")
+        for name in ("timeout", "request_timeout"):
+            value = getattr(args, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be > 0 seconds")
     except (TypeError, ValueError) as error:
         parser.error(str(error))  # exits with status 2
     try:
         model = args.model or list_models(args.url)[0]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
+    except Exception as error:  # any answer that is not a model list
         print(f"python -m minillm bench: error: cannot list the models at {args.url}: {error}", file=sys.stderr)
         return 1
     rate = "inf" if args.request_rate is None else f"{args.request_rate:g}"
@@ -341,26 +419,49 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  load: {load}")
     print(f"  prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens (ids < {args.vocab_size}), outputs "
           f"{args.output_len[0]}-{args.output_len[1]} tokens, {args.length_dist}; seed {args.seed}", flush=True)
-    result = run_benchmark(args.url, model, requests, concurrency=concurrency, slo=slo, timeout=args.timeout)
+    result = run_benchmark(args.url, model, requests, concurrency=concurrency, slo=slo, timeout=args.timeout,
+                           request_timeout=args.request_timeout)
     print(result.metrics.table())
-    failed = [r for r in result.records if r.error]
-    if failed:
-        print(f"{len(failed)} request(s) failed; the first: {failed[0].error}")
+    report_failures(result)
     if result.count_mismatches:
         print(f"{result.count_mismatches} request(s): chunks carried a different token count than usage")
     report = {"arguments": vars(args), **result.to_json()}
+    status = 0 if result.metrics.n_completed else 1
     if args.compare_engine:
-        comparison = compare_with_engine(result, fetch_engine_records(args.url))
-        print(comparison.table())
-        report["engine"] = {"metrics": metrics_dict(comparison.engine),
-                            "added_ttft_ms": summary_ms(comparison.added_ttft),
-                            "added_e2e_ms": summary_ms(comparison.added_e2e)}
+        try:
+            comparison = compare_with_engine(result, fetch_engine_records(args.url))
+        except Exception as error:  # not a minillm server, records dropped, a bad answer
+            message = f"{type(error).__name__}: {error}"
+            print(f"--compare-engine: no comparison: {message}")
+            report["engine"] = {"error": message}
+            status = 1
+        else:
+            print(comparison.table())
+            report["engine"] = {"metrics": metrics_dict(comparison.engine),
+                                "added_ttft_ms": summary_ms(comparison.added_ttft),
+                                "added_e2e_ms": summary_ms(comparison.added_e2e)}
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
         print(f"results written to {args.json}")
-    return 0 if result.metrics.n_completed else 1
+    return status
 
+
+def report_failures(result: BenchResult, show: int = 5) -> None:
+    """How many requests failed and why: each distinct reason with its count, the most common first."""
+    reasons: dict[str, int] = {}
+    for r in result.records:
+        if r.error or not r.token_times:
+            reason = r.error or "no token arrived"
+            reasons[reason] = reasons.get(reason, 0) + 1
+    if not reasons:
+        return
+    print(f"{sum(reasons.values())} request(s) failed:")
+    ranked = sorted(reasons.items(), key=lambda item: -item[1])
+    for reason, count in ranked[:show]:
+        print(f"  {count} x {reason[:300]}")
+    if len(ranked) > show:
+        print(f"  ... and {len(ranked) - show} other reason(s) (see --json)")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,10 +20,10 @@ import threading
 import torch
 
 from ..device import DEVICE_NAMES, DTYPES, resolve_device, resolve_dtype
-from ..engine import Engine, blocks_for
+from ..engine import Engine, EngineConfig
+from ..engine.config import DEFAULT_TOKENS_PER_SEQUENCE
 
 MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "tiny": "tiny"}  # --model -> the name served
-TOKENS_PER_SEQUENCE = 1024  # the default KV pool holds max_batch_size sequences of this many tokens
 NOT_INSTALLED = 3
 
 
@@ -44,8 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random weights (default 0)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="most requests running at once (default 8)")
     parser.add_argument("--num-blocks", type=int, default=None,
-                        help=f"KV blocks in the pool (default: max-batch-size sequences of "
-                             f"{TOKENS_PER_SEQUENCE} tokens, or of the context if shorter)")
+                        help=f"KV blocks in the pool (default: the engine's, max-batch-size sequences of the "
+                             f"context, at most {DEFAULT_TOKENS_PER_SEQUENCE} tokens each)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="a step's token budget (chunked prefill; default: the engine's)")
@@ -79,6 +79,14 @@ def load(args: argparse.Namespace):
     return model, tokenizer, "SmolLM2-135M-Instruct"
 
 
+def engine_config(args: argparse.Namespace, eos_token_id: int | None) -> EngineConfig:
+    """The engine the arguments ask for; what they leave out (the pool size, the token budget) is the
+    engine's default. Raises TypeError or ValueError for a bad combination."""
+    return EngineConfig(max_batch_size=args.max_batch_size, num_blocks=args.num_blocks, block_size=args.block_size,
+                        eos_token_id=eos_token_id, max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_prefix_caching=args.enable_prefix_caching)
+
+
 def watch_stdin(server) -> None:
     """Ask uvicorn to shut down once standard input reaches its end (the parent closed it, or died)."""
     def wait():
@@ -106,15 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m minillm serve: error: {error}", file=sys.stderr)
         return NOT_INSTALLED
     config = model.config
-    num_blocks = args.num_blocks or args.max_batch_size * blocks_for(min(config.max_seq_len, TOKENS_PER_SEQUENCE),
-                                                                     args.block_size)
     try:
-        engine = Engine(model, max_batch_size=args.max_batch_size, num_blocks=num_blocks, block_size=args.block_size,
-                        eos_token_id=tokenizer.eos_token_id, max_num_batched_tokens=args.max_num_batched_tokens,
-                        enable_prefix_caching=args.enable_prefix_caching)
+        engine = Engine.from_config(model, engine_config(args, tokenizer.eos_token_id))
     except (TypeError, ValueError) as error:
         print(f"python -m minillm serve: error: {error}", file=sys.stderr)
         return 2
+    num_blocks = engine.blocks.num_blocks
     name = args.served_model_name or MODELS[args.model]
     print(f"minillm serve: {description} as {name!r} on {model.device.type}, {args.dtype}, "
           f"{torch.get_num_threads()} thread(s)\n  KV pool: {num_blocks} blocks x {args.block_size} tokens "

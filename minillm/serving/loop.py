@@ -16,7 +16,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ..engine import Engine, Request, RequestRecord, StepOutput
+from ..engine import Engine, Request, RequestRecord, Sequence, StepOutput
 
 log = logging.getLogger("minillm.serving")
 RECORDS_KEPT = 4096  # finished requests whose engine records the server keeps (oldest dropped first)
@@ -33,6 +33,31 @@ class LoadStats:
     finished: int  # requests finished since the server started
     aborted: int  # requests dropped because their client left
     steps: int
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Queue ``request``, whose tokens go to ``stream``; the server received it at ``received``
+    (``time.perf_counter()``)."""
+
+    request: Request
+    stream: RequestStream
+    received: float
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Drop a waiting or running request (its client left)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Abort what is left and end the engine thread."""
+
+
+Command = AddRequest | AbortRequest | Stop  # what handlers put on ``EngineLoop.commands``
 
 
 class RequestStream:
@@ -76,9 +101,9 @@ class EngineLoop:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.streams: dict[str, RequestStream] = {}  # engine thread only
-        self.sequences: dict = {}  # engine thread only: request id -> the engine's Sequence
+        self.sequences: dict[str, Sequence] = {}  # engine thread only: request id -> the engine's Sequence
         self.records: deque[RequestRecord] = deque(maxlen=RECORDS_KEPT)
         self.records_lock = threading.Lock()
         self.finished = self.aborted = self.steps = 0
@@ -90,18 +115,18 @@ class EngineLoop:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Abort what is left, end the thread."""
-        self.commands.put(("stop", None))
+        self.commands.put(Stop())
         self.thread.join(timeout)
 
     def submit(self, request: Request, received: float) -> RequestStream:
         """Queue ``request``, which reached the server at ``time.perf_counter()`` = ``received`` (call on
         the event loop; check ``engine.rejection`` first)."""
         stream = RequestStream(self, request.request_id, asyncio.get_running_loop())
-        self.commands.put(("add", (request, stream, received)))
+        self.commands.put(AddRequest(request, stream, received))
         return stream
 
     def abort(self, request_id: str) -> None:
-        self.commands.put(("abort", request_id))
+        self.commands.put(AbortRequest(request_id))
 
     def finished_records(self) -> list[RequestRecord]:
         with self.records_lock:
@@ -117,14 +142,14 @@ class EngineLoop:
                     commands.append(self.commands.get_nowait())
             except queue.Empty:
                 pass
-            for kind, payload in commands:
-                if kind == "stop":
+            for command in commands:
+                if isinstance(command, Stop):
                     self._abort_all(RuntimeError("the server is shutting down"))
                     return
-                if kind == "add":
-                    self._add(*payload)
+                if isinstance(command, AddRequest):
+                    self._add(command)
                 else:
-                    self._abort(payload)
+                    self._abort(command.request_id)
             outputs = self._step() if self.engine.has_unfinished() else []
             self.stats = self._snapshot()
             for out in outputs:
@@ -132,17 +157,18 @@ class EngineLoop:
                 if out.finished:
                     del self.streams[out.request_id]
 
-    def _add(self, request: Request, stream: RequestStream, received: float) -> None:
+    def _add(self, command: AddRequest) -> None:
         # it arrived when the server received it, not when this thread got to it after the step in flight
         # (as in an offline run, where a request arriving mid-step waits for the step's end)
-        arrival = self.engine.clock() - (time.perf_counter() - received)
+        request, stream = command.request, command.stream
+        arrival = self.engine.clock() - (time.perf_counter() - command.received)
         try:
             self.engine.add_request(request, arrival_time=arrival)
         except ValueError as error:
             stream.put(error)
             return
         self.streams[request.request_id] = stream
-        self.sequences[request.request_id] = self.engine.live[request.request_id]
+        self.sequences[request.request_id] = self.engine.sequence(request.request_id)  # for its record at the end
 
     def _abort(self, request_id: str) -> None:
         if self.engine.abort(request_id):
@@ -176,6 +202,7 @@ class EngineLoop:
             self.records.append(record)
 
     def _snapshot(self) -> LoadStats:
-        scheduler, blocks = self.engine.scheduler, self.engine.blocks
-        return LoadStats(len(scheduler.running), len(scheduler.waiting), blocks.num_used, blocks.num_blocks,
-                         self.finished, self.aborted, self.steps)
+        load = self.engine.load()
+        return LoadStats(running=load.running, waiting=load.waiting, kv_blocks_used=load.blocks_used,
+                         kv_blocks_total=load.blocks_total, finished=self.finished, aborted=self.aborted,
+                         steps=self.steps)

@@ -22,14 +22,30 @@ from pydantic import (
 )
 
 from ..sampling import SamplingParams
+from ..validate import check_seed
 
 FINISH_REASONS = {"eos": "stop", "max_tokens": "length"}  # engine -> OpenAI
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-# Fields this server does not implement, and the values that mean "not used" (accepted).
+# Fields this server does not implement, and the values that mean "not used" (accepted). A value must equal
+# one of them with the same JSON type: ``n: true`` or ``logprobs: 0.0`` is refused, not read as 1 or 0.
 UNSUPPORTED = {"stop": (None, "", []), "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False, 0),
                "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
-               "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
-               "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+               "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+               "functions": (None, []), "function_call": (None, "none"),  # OpenAI's legacy names for tools
+               # vLLM's extensions, beside the top_k and ignore_eos accepted here
+               "stop_token_ids": (None, []), "min_tokens": (None, 0), "repetition_penalty": (None, 1, 1.0),
+               "min_p": (None, 0, 0.0), "include_stop_str_in_output": (None, False)}
+
+
+def _neutral(value, neutral: tuple) -> bool:
+    """``value`` is one of the "not used" values, with the same type (``True == 1`` in Python, not in JSON)."""
+    return any(type(value) is type(n) and value == n for n in neutral)
+
+
+def _short_repr(value, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class ApiError(Exception):
@@ -42,6 +58,17 @@ class ApiError(Exception):
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def _encodable(text: str) -> str:
+    """``text`` if it can be written as UTF-8. JSON allows a lone surrogate (``"\\ud800"``), which is no
+    character and cannot be encoded or tokenized: a ValueError (a 400 naming the field), not a 500 later."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"must be valid Unicode text, but holds a lone surrogate "
+                         f"({text[error.start]!r} at position {error.start})") from None
+    return text
 
 
 class StreamOptions(BaseModel):
@@ -62,6 +89,11 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # vLLM extension: generate max_tokens tokens even past EOS
     return_token_ids: StrictBool = False  # vLLM extension: the token ids with the text
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, value):
+        return check_seed("seed", value)  # torch.Generator takes 64 bits: 2**64 would overflow (a 500)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -91,6 +123,11 @@ class CompletionRequest(SamplingRequest):
             return value
         raise ValueError("must be a string or a list of token ids (one prompt per request)")
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_is_unicode(cls, value):
+        return _encodable(value) if isinstance(value, str) else value
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
@@ -100,6 +137,21 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content_is_unicode(cls, data):
+        """Checked before the content's two shapes are tried, so that the error is this, not a shape's."""
+        content = data.get("content") if isinstance(data, dict) else None
+        parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
+        for part in parts:
+            text = part.get("text") if isinstance(part, dict) else part
+            if isinstance(text, str):
+                try:
+                    _encodable(text)
+                except ValueError as error:
+                    raise ValueError(f"content {error}") from None
+        return data
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -126,8 +178,10 @@ def parse_body(raw: bytes, model_class: type[SamplingRequest]) -> SamplingReques
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     for name, neutral in UNSUPPORTED.items():
-        if name in data and data[name] not in neutral:
-            raise ApiError(400, f"{name}={data[name]!r} is not supported by this server", param=name)
+        if name in data and not _neutral(data[name], neutral):
+            accepted = " or ".join(json.dumps(n) for n in neutral)
+            raise ApiError(400, f"{name}={_short_repr(data[name])} is not supported by this server "
+                                f"(accepted: {accepted}, which mean not used)", param=name)
     try:
         return model_class.model_validate(data)
     except ValidationError as error:

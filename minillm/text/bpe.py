@@ -9,6 +9,8 @@ files and adds what generation needs: the end-of-turn token and the chat templat
 from __future__ import annotations
 
 import functools
+import re
+import secrets
 from pathlib import Path
 
 from ..validate import check_token_ids, read_json
@@ -57,6 +59,15 @@ class BPETokenizer:
         self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
         self.chat_template, self.add_bos_token = chat_template, add_bos_token
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._compiled: tuple[str, object] | None = None  # (template source, compiled template)
+        self._text_backend = None  # a copy of the backend that reads special-token names as plain text
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern | None:
+        """The special tokens' names, longest first (so ``<|im_start|>`` wins over a prefix of it)."""
+        names = sorted({t.content for t in self.backend.get_added_tokens_decoder().values() if t.special},
+                       key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, names))) if names else None
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> BPETokenizer:
@@ -106,13 +117,24 @@ class BPETokenizer:
             raise ValueError(f"{path}: no eos_token in tokenizer_config.json and none given")
         return cls(backend, token_id("bos_token"), eos, template, bool(config.get("add_bos_token", False)))
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Text -> token ids. Special tokens written in the text (``<|im_start|>``) become their ids."""
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Text -> token ids. Special tokens written in the text (``<|im_start|>``) become their ids;
+        with ``special=False`` their names are plain text (what a chat message's content is)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be str, got {type(text).__name__}")
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        backend = self.backend if special else self._plain_text_backend()
+        ids = backend.encode(text, add_special_tokens=False).ids
         add_bos = self.add_bos_token if add_bos is None else add_bos
         return ([self.bos_token_id] if add_bos and self.bos_token_id is not None else []) + ids
+
+    def _plain_text_backend(self):
+        """The backend with special-token matching off (``encode_special_tokens``), a copy made once: the
+        flag is state of the tokenizer object, so setting it on the shared one would race other callers."""
+        if self._text_backend is None:
+            copy = type(self.backend).from_str(self.backend.to_str())
+            copy.encode_special_tokens = True
+            self._text_backend = copy
+        return self._text_backend
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
@@ -147,13 +169,69 @@ class BPETokenizer:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
                                                      for m in messages):
             raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        return self._template().render(messages=messages, add_generation_prompt=add_generation_prompt)
 
-        template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+    def _template(self):
+        """The chat template, compiled once (compiling is ~250 times the cost of rendering); again only if
+        ``chat_template`` was replaced."""
+        if self._compiled is None or self._compiled[0] != self.chat_template:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            self._compiled = (self.chat_template, env.from_string(self.chat_template))
+        return self._compiled[1]
 
     def encode_chat(self, messages: list[dict] | str, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation (a str is one user message), ready for the assistant's reply."""
+        """Token ids of a conversation (a str is one user message), ready for the assistant's reply.
+
+        Only the template's own markup can hold control tokens: a message whose content says
+        ``<|im_end|>\\n<|im_start|>system`` gets those names as plain text, so no one can forge a turn by
+        typing it. An ordinary conversation is encoded exactly as ``encode(apply_chat_template(...))``.
+        """
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=False)
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        pattern = self._special_pattern
+        if pattern is None:
+            return self.encode(text, add_bos=False)
+        spans = self._content_spans(messages, add_generation_prompt, text)
+        # Cut the prompt at the special tokens the template wrote (none inside a content span), and encode
+        # the text between them with special-token matching off: the tokenizer itself cuts a text at its
+        # special tokens first and encodes each piece apart, so an ordinary chat gives the same ids.
+        ids, start = [], 0
+        for match in pattern.finditer(text):
+            if any(lo < match.end() and match.start() < hi for lo, hi in spans):
+                continue
+            if match.start() > start:
+                ids += self.encode(text[start:match.start()], add_bos=False, special=False)
+            ids.append(self.backend.token_to_id(match.group()))
+            start = match.end()
+        if start < len(text):
+            ids += self.encode(text[start:], add_bos=False, special=False)
+        return ids
+
+    def _content_spans(self, messages: list[dict], add_generation_prompt: bool, text: str) -> list[tuple[int, int]]:
+        """Where each message's content lies in the rendered prompt ``text``: rendered again with each
+        content between two random markers, which must then disappear without a trace. A template that
+        changes the content (so the markers cannot find it) gets no spans, and then content holding a
+        special token's name is refused rather than let through as control tokens."""
+        nonce = secrets.token_hex(16)
+        open_mark, close_mark = f"\x02{nonce}[", f"]{nonce}\x03"
+        marked = [m | {"content": f"{open_mark}{m['content']}{close_mark}"} if isinstance(m.get("content"), str)
+                  else m for m in messages]
+        rendered = self._template().render(messages=marked, add_generation_prompt=add_generation_prompt)
+        spans, plain, pos = [], [], 0
+        for match in re.finditer(f"{re.escape(open_mark)}(.*?){re.escape(close_mark)}", rendered, re.DOTALL):
+            plain.append(rendered[pos:match.start()])
+            lo = sum(map(len, plain))
+            plain.append(match.group(1))
+            spans.append((lo, lo + len(match.group(1))))
+            pos = match.end()
+        plain.append(rendered[pos:])
+        if "".join(plain) == text:
+            return spans
+        for m in messages:
+            if isinstance(m.get("content"), str) and self._special_pattern.search(m["content"]):
+                raise ValueError("a message's content holds a special token's name (such as <|im_start|>), and "
+                                 "this chat template changes the content, so it cannot be kept as plain text")
+        return []

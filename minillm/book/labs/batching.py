@@ -14,6 +14,16 @@ decide who runs; they come from the caller (the learner):
 To run its next step a sequence must hold ``ceil(seq.num_tokens / block_size)`` blocks. The simulator
 never trusts a rule: whatever breaks the budget, the batch limit or a request's length is recorded
 as a violation (and a run that breaks the budget stops there).
+
+One rule is the engine's own: whether a step may admit at all (static: only into an empty batch;
+continuous: every step, but not right after a preemption while others run) is
+``minillm.engine.scheduler.may_admit``, which the engine's ``Scheduler`` asks too. The rest is kept
+model-free on purpose, and leaves out what the engine adds: time in steps instead of seconds; one
+token per running sequence per step, so no token budget and no chunked prefill (a prompt is
+prefilled whole in the step that admits it); no prefix caching; no rejection of requests that can
+never fit (the workloads fit); static padding rows cost nothing; and preemption asks the learner's
+rule for every victim at once before the step, where the engine preempts the newest running
+sequence while an older one cannot grow.
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ...engine import blocks_for
+from ...engine.scheduler import may_admit
 from .checker import LearnerError, call, wrong_value
 
 EOS = 2  # the end-of-sequence token id of the simulated model
@@ -158,8 +169,7 @@ def simulate(specs: list[Spec], admit, finished, preempt, num_blocks: int, block
                 break
         for s in running:
             grow(s)
-        may_admit = (not preempted or not running) if policy == "continuous" else not (running or held_back)
-        if may_admit and waiting:
+        if waiting and may_admit(policy, preempted, busy=bool(running or held_back)):
             chosen = _members("admit", call(admit, list(waiting), list(running), len(free), block_size,
                                             max_batch_size), list(waiting))
             need = sum(_need(s, block_size) for s in chosen)

@@ -11,9 +11,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from ...cache import KVCache
+from ...cache import KVCache, causal_mask
 from ...generate import generate
-from ...model import RotaryEmbedding, apply_rotary, causal_mask
+from ...model import Attention, RotaryEmbedding, apply_rotary
 from ...sampling import SamplingParams, filtered_probs
 from .cases import assert_close, encode_prompt, randint, randn, show_text, tiny_model
 from .checker import LearnerError, Mismatch, Property, Task, call, expect_tensor, register
@@ -209,34 +209,43 @@ ATTENTION = Task("causal_attention", "2.1", ("causal_attention",), (
 
 # --- both, inside a real model ----------------------------------------------------------------------
 
-def _learner_forward(attn, apply_rope, causal_attention, theta):
-    """A forward for one of minillm's Attention modules that calls the learner's two functions."""
-    def forward(x, cos, sin, positions, mask, cache=None, record_weights=False):
-        B, T, _ = x.shape
-        q = attn.q_proj(x).view(B, T, attn.n_heads, attn.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = attn.k_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = attn.v_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim).transpose(1, 2)
-        q = expect_tensor("apply_rope", call(apply_rope, q, positions, theta), tuple(q.shape))
-        k = expect_tensor("apply_rope", call(apply_rope, k, positions, theta), tuple(k.shape))
-        if cache is not None:
-            k, v = cache.update(attn.layer_idx, k, v, positions)  # (B, Hkv, S, D), index = position
-        out = call(causal_attention, q, k, v, positions)
-        out = expect_tensor("causal_attention", out, (B, attn.n_heads, T, attn.head_dim))
-        return attn.o_proj(out.transpose(1, 2).reshape(B, T, attn.n_heads * attn.head_dim))
-    return forward
-
-
 @contextmanager
 def learner_attention(model, apply_rope, causal_attention):
-    """Within the block, every attention layer of ``model`` runs the learner's two functions."""
+    """Within the block, every attention layer of ``model`` runs the learner's two functions.
+
+    The model's own code runs; two pieces of each ``Attention`` are swapped: its ``kernel`` becomes
+    ``causal_attention`` (which builds its own mask from the positions), and ``apply_rope`` rotates the
+    unrotated q and k that ``Attention.qkv`` gives with cos = 1, sin = 0. The positions of each call are
+    the ones the model hands its rotary embedding.
+    """
+    theta, call_positions = model.config.rope_theta, []
+
+    def keep_positions(module, args):  # rotary_emb(positions, dtype), once per forward pass
+        call_positions[:] = [args[0]]
+
+    def learner_qkv(attn):
+        def qkv(x, cos, sin):
+            q, k, v = Attention.qkv(attn, x, torch.ones_like(cos), torch.zeros_like(sin))  # not rotated
+            positions = call_positions[0]
+            q = expect_tensor("apply_rope", call(apply_rope, q, positions, theta), tuple(q.shape))
+            k = expect_tensor("apply_rope", call(apply_rope, k, positions, theta), tuple(k.shape))
+            return q, k, v
+        return qkv
+
+    def kernel(q, k, v, mask):  # k, v: (B, Hkv, S, D), index = position; the learner masks by position
+        out = call(causal_attention, q, k, v, call_positions[0])
+        return expect_tensor("causal_attention", out, tuple(q.shape))
+
     layers = [layer.self_attn for layer in model.model.layers]
+    hook = model.model.rotary_emb.register_forward_pre_hook(keep_positions)
     for attn in layers:
-        attn.forward = _learner_forward(attn, apply_rope, causal_attention, model.config.rope_theta)
+        attn.qkv, attn.kernel = learner_qkv(attn), kernel
     try:
         yield model
     finally:
+        hook.remove()
         for attn in layers:
-            del attn.forward  # back to the class's own forward
+            del attn.qkv, attn.kernel  # back to the class's own methods
 
 
 @torch.inference_mode()

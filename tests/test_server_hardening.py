@@ -1,0 +1,126 @@
+"""Client mistakes and degenerate values against the server (the tiny model, started as in test_server.py):
+each gets a 400 naming its field, or a sane answer, never a 500 and never harm to other requests in flight.
+
+Defects of the reliability review (reviews/reliability-security.md, D1, D4, D6, D9, D10)."""
+import json
+import threading
+
+import httpx
+import pytest
+from test_server import TIMEOUT, server, wait_until_idle  # noqa: F401 - the server fixture, reused
+
+from minillm.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
+
+HEADERS = {"Content-Type": "application/json"}
+
+
+def post(server, path: str, body: dict | bytes) -> httpx.Response:  # noqa: F811 - server is the fixture
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server.base}{path}", content=content, timeout=TIMEOUT, headers=HEADERS)
+
+
+def refusal(response: httpx.Response) -> dict:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    return error
+
+
+def greedy_completion(server, **extra) -> dict:  # noqa: F811
+    response = post(server, "/v1/completions", {"model": "tiny", "prompt": "Once", "max_tokens": 6,
+                                                "ignore_eos": True, "return_token_ids": True, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+# D1: degenerate sampling values inside the accepted ranges once gave NaN probabilities; the engine step raised
+# and every request in flight failed.
+@pytest.mark.parametrize("extra", [{"temperature": 1e-300}, {"temperature": 5e-324},
+                                   {"temperature": 1.0, "top_p": 1e-300}])
+def test_a_degenerate_temperature_or_top_p_is_greedy(server, extra):  # noqa: F811
+    greedy = greedy_completion(server, temperature=0)["choices"][0]["token_ids"]
+    assert greedy_completion(server, seed=5, **extra)["choices"][0]["token_ids"] == greedy
+
+
+def test_a_degenerate_request_leaves_the_streams_in_flight_alone(server):  # noqa: F811
+    finishes = []
+
+    def stream():
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=TIMEOUT) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    finishes.append(chunk["choices"][0]["finish_reason"] if "choices" in chunk else "error")
+
+    threads = [threading.Thread(target=stream) for _ in range(2)]
+    for t in threads:
+        t.start()
+    greedy_completion(server, temperature=1e-300)
+    for t in threads:
+        t.join(TIMEOUT)
+    assert finishes.count("length") == 2 and "error" not in finishes
+    assert wait_until_idle(server)["kv_blocks_used"] == 0
+
+
+# D4: a lone surrogate, and a seed outside 64 bits, were 500s.
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", rb'{"model": "tiny", "prompt": "\ud800", "max_tokens": 1}', "prompt"),
+    ("/v1/completions", rb'{"model": "tiny", "prompt": "ok \udfff", "max_tokens": 1}', "prompt"),
+    ("/v1/chat/completions", rb'{"model": "tiny", "messages": [{"role": "user", "content": "\ud83d"}]}', "messages"),
+    ("/v1/chat/completions", rb'{"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": '
+                             rb'[{"type": "text", "text": "a"}, {"type": "text", "text": "\udfff"}]}]}', "messages"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, path, raw, param):  # noqa: F811
+    error = refusal(post(server, path, raw))
+    assert error["param"] == param and "surrogate" in error["message"]
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**70, -2**63 - 1])
+def test_a_seed_outside_64_bits_is_a_400_naming_seed(server, seed):  # noqa: F811
+    error = refusal(post(server, "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1, "seed": seed}))
+    assert error["param"] == "seed" and "64-bit seed range" in error["message"]
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -2**63, 0])
+def test_seeds_at_the_ends_of_the_range_are_served(server, seed):  # noqa: F811
+    greedy_completion(server, temperature=1.0, seed=seed)
+
+
+# D9, D10: fields the server cannot honour were silently ignored, and n: true / logprobs: 0.0 passed as neutral.
+@pytest.mark.parametrize("field, value", [
+    ("stop_token_ids", [5]), ("min_tokens", 2), ("repetition_penalty", 1.2), ("functions", [{"name": "f"}]),
+    ("function_call", "auto"), ("function_call", {"name": "f"}), ("min_p", 0.1),
+    ("n", True), ("n", 1.0), ("logprobs", 0.0), ("logprobs", True), ("frequency_penalty", False),
+])
+def test_fields_the_server_cannot_honour_are_refused_by_name(server, field, value):  # noqa: F811
+    for path, body in [("/v1/completions", {"model": "tiny", "prompt": "Hi"}),
+                       ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]})]:
+        if (field, value) == ("logprobs", True) and path == "/v1/completions":
+            continue  # completions' logprobs is a count: true is refused too, checked below
+        error = refusal(post(server, path, body | {field: value, "max_tokens": 1}))
+        assert error["param"] == field and "not supported" in error["message"]
+
+
+@pytest.mark.parametrize("extra", [{"n": 1}, {"logprobs": 0}, {"logprobs": False}, {"stop_token_ids": []},
+                                   {"repetition_penalty": 1.0}, {"presence_penalty": 0.0}, {"functions": None}])
+def test_neutral_values_of_those_fields_are_accepted(server, extra):  # noqa: F811
+    greedy_completion(server, **extra)
+
+
+def test_parse_body_refusals_without_a_server():
+    cases = [(rb'{"model": "t", "prompt": "\ud800"}', CompletionRequest, "prompt"),
+             (b'{"model": "t", "prompt": "x", "seed": 18446744073709551616}', CompletionRequest, "seed"),
+             (b'{"model": "t", "prompt": "x", "n": true}', CompletionRequest, "n"),
+             (b'{"model": "t", "prompt": "x", "logprobs": true}', CompletionRequest, "logprobs"),
+             (b'{"model": "t", "messages": [{"role": "user", "content": "x"}], "stop_token_ids": [2]}',
+              ChatCompletionRequest, "stop_token_ids")]
+    for raw, model_class, param in cases:
+        with pytest.raises(ApiError) as info:
+            parse_body(raw, model_class)
+        assert (info.value.status, info.value.param) == (400, param)
+    long = parse_body(b'{"model": "t", "prompt": "x", "seed": -9223372036854775808}', CompletionRequest)
+    assert long.seed == -2**63
+    with pytest.raises(ApiError) as info:
+        parse_body(json.dumps({"model": "t", "prompt": "x", "stop": "s" * 10**6}).encode(), CompletionRequest)
+    assert len(info.value.message) < 1000  # the value is not echoed whole

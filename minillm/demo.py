@@ -4,7 +4,8 @@
 in, the text streamed out token by token as the cached path generates it; ``--chat`` wraps the prompt in the
 chat template, and generation stops at the end-of-turn token ``<|im_end|>``. Then TTFT, TPOT and tokens/s of
 the run. ``--compare`` also runs the naive path (the whole sequence recomputed every step) and checks that it
-gives the same tokens.
+gives the same tokens. ``--precision {float32,bfloat16,int8,int4}`` picks the weights (``minillm.fast.quant.
+PRECISIONS``): int4 is the GGUF file's own 4-bit weights through PyTorch's int4 kernel.
 
 ``--model tiny``: a small model with RANDOM weights (so the text is gibberish); it always runs both paths
 greedily, checks that they give the same tokens, and prints their timings side by side.
@@ -25,6 +26,8 @@ from .analysis.metrics import RequestTiming, e2e_latency, tpot, ttft
 from .checkpoints.pretrained import load_pretrained
 from .config import PRESETS
 from .device import DEVICE_NAMES, DTYPES, resolve_device, resolve_dtype
+from .fast.int4 import kernels_used
+from .fast.quant import PRECISIONS, load_precision
 from .generate import TokenEvent, check_lengths, stream_generate
 from .model import build_model
 from .sampling import SamplingParams
@@ -67,7 +70,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     parser.add_argument("--compare", action="store_true",
                         help="also run the naive path and check it gives the same tokens (tiny: always)")
     parser.add_argument("--device", choices=DEVICE_NAMES, default="auto", help="default: auto (CUDA if present)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="default: float32")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default=None,
+                        help="smollm2's weights: float32, bfloat16, int8 (weight-only) or int4 (the file's own "
+                             "4-bit weights); instead of --dtype")
     parser.add_argument("--preset", choices=BUILDABLE, default=None,
                         help="the tiny demo's model shape (default tiny; the LLaMA presets are too big to build)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
@@ -82,7 +88,12 @@ def check_args(args: argparse.Namespace) -> tuple[str, SamplingParams]:
     if prompt is not None and not prompt.strip():
         raise ValueError(f"the prompt {prompt!r} is empty; give some text")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    if args.precision is not None and args.dtype is not None:
+        raise ValueError(f"give --precision or --dtype, not both (--precision {args.precision} sets the dtype)")
     if args.model == "tiny":
+        if args.precision is not None:
+            raise ValueError("--precision picks the trained model's weights: use --model smollm2 (the tiny model "
+                             "takes --dtype)")
         if args.chat:
             raise ValueError("--chat needs a chat template: use --model smollm2 (the tiny model has none)")
         if not sampling.greedy:
@@ -211,7 +222,10 @@ def run_smollm2(parser, args, prompt: str, sampling: SamplingParams, device: tor
     """The trained model: the reply streamed as it is generated, then its timings."""
     start = time.perf_counter()
     try:
-        model, tokenizer = load_pretrained(PRETRAINED, device=device, dtype=dtype)
+        if args.precision is None:
+            model, tokenizer = load_pretrained(PRETRAINED, device=device, dtype=dtype)
+        else:
+            model, tokenizer = load_precision(PRETRAINED, args.precision, device)
     except (FileNotFoundError, ImportError) as error:
         print(f"python -m minillm: error: {error}", file=sys.stderr)
         return NOT_INSTALLED
@@ -228,7 +242,7 @@ def run_smollm2(parser, args, prompt: str, sampling: SamplingParams, device: tor
     print(f"minillm demo: SmolLM2-135M-Instruct (trained), loaded in {loaded:.1f} s")
     print(f"model: {c.n_params / 1e6:.1f}M parameters, {c.n_layers} layers, {c.n_heads} query heads sharing "
           f"{c.n_kv_heads} KV heads, head_dim {c.head_dim}")
-    print(f"device: {device.type}, dtype: {args.dtype}{threads_text(device)}")
+    print(f"device: {device.type}, {weights_text(args, model)}{threads_text(device)}")
     print(f"prompt: {prompt!r}{' in the chat template' if args.chat else ''} = {len(prompt_ids)} tokens")
     print(f"up to {n_new} new tokens, {how}, stops at {eos_name}")
     print("--- output (streamed as generated) ---", flush=True)
@@ -249,7 +263,18 @@ def run_smollm2(parser, args, prompt: str, sampling: SamplingParams, device: tor
     if args.compare:
         runs = {"naive": timed_run(model, prompt_ids, n_new, False, "naive", **generate_kwargs), **runs}
     print_timings(runs)
-    return report_agreement(model, prompt_ids, runs["naive"].tokens, cached, args.dtype) if args.compare else 0
+    name = args.precision or args.dtype
+    return report_agreement(model, prompt_ids, runs["naive"].tokens, cached, name) if args.compare else 0
+
+
+def weights_text(args, model) -> str:
+    """``dtype: float32``, or ``precision: int4 (...)`` with the kernels its int4 layers use."""
+    if args.precision is None:
+        return f"dtype: {args.dtype}"
+    if args.precision != "int4":
+        return f"precision: {args.precision} ({PRECISIONS[args.precision]})"
+    kernels = ", ".join(f"{n} layers {kernel}" for kernel, n in kernels_used(model).items())
+    return f"precision: int4 (the file's own Q4_1 weights, bfloat16 activations; {kernels})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.threads < 1:
                 raise ValueError(f"--threads {args.threads} must be >= 1")
             torch.set_num_threads(args.threads)
-        device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
+        args.dtype = args.dtype if args.dtype is not None or args.precision is not None else "float32"
+        device, dtype = resolve_device(args.device), resolve_dtype(args.dtype or "float32")
         if args.model == "tiny":
             check_lengths(len(ByteTokenizer().encode(prompt)), args.max_new_tokens,
                           PRESETS[args.preset or "tiny"].max_seq_len)

@@ -200,3 +200,28 @@ def test_disagreeing_paths_exit_non_zero(monkeypatch, capsys):
     assert demo.main(["--model", "tiny", "--max-new-tokens", "6", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "same tokens: no, the first 2 agree" in out and "the paths disagree" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--precision", "int4", "--dtype", "bfloat16"], "give --precision or --dtype, not both"),
+    (["--model", "tiny", "--precision", "int8"], "--precision picks the trained model's weights"),
+    (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
+])
+def test_bad_precision_arguments_exit_with_a_clear_message(args, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        demo.main(args)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision, words", [
+    ("int8", "precision: int8 (int8 weights, a bfloat16 scale per output row"),
+    ("int4", "precision: int4 (the file's own Q4_1 weights, bfloat16 activations; 212 layers int4pack"),
+])
+def test_precision_prints_its_weights_and_the_same_timing_rows(precision, words, capsys):
+    assert demo.main(["--precision", precision, "--max-new-tokens", "6", "--device", "cpu", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert words in out
+    timing_row(out, "cached", 6)
+    timing_row(out, "naive", 6)
+    assert "same tokens: yes, all 6 identical" in out or "a near tie" in out

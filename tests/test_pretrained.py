@@ -252,3 +252,27 @@ def test_text_instead_of_token_ids_says_to_encode(tiny_model):
 
 def test_public_api_exports_the_loader():
     assert minillm.load_pretrained is load_pretrained and minillm.BPETokenizer.__name__ == "BPETokenizer"
+
+
+def test_raw_checkpoint_keeps_the_q4_1_blocks_and_is_cached_apart():
+    raw = gguf_checkpoint(NAME, raw_types=("Q4_1", "Q8_0"))
+    assert raw is gguf_checkpoint(NAME, raw_types=("Q4_1", "Q8_0"))  # read once
+    assert raw is not gguf_checkpoint(NAME)
+    q = raw.raw["model.layers.0.self_attn.q_proj.weight"]
+    assert q.type == "Q4_1" and q.shape == (576, 576) and q.blocks.shape == (576, 576 // 32 * 20)
+    assert "model.layers.0.self_attn.q_proj.weight" not in raw.state_dict
+    assert raw.raw["model.embed_tokens.weight"].type == "Q8_0" and "model.embed_tokens.weight" in raw.state_dict
+    from minillm.checkpoints.gguf import split_q4_1
+
+    qs, d, m = split_q4_1(q.blocks)
+    values = d.repeat_interleave(32, 1) * qs + m.repeat_interleave(32, 1)
+    assert torch.equal(values, gguf_checkpoint(NAME).state_dict["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_gguf_path_and_tokenizer():
+    from minillm.checkpoints.pretrained import gguf_path, gguf_tokenizer
+
+    assert gguf_path(NAME) == packaged_path(NAME)
+    with pytest.raises(ValueError, match="neither one of"):
+        gguf_path("no-such-model")
+    assert gguf_tokenizer(gguf_checkpoint(NAME)).encode(PROMPT) == load_pretrained(NAME)[1].encode(PROMPT)

@@ -253,3 +253,14 @@ def test_bfloat16_variant_routes_every_matmul_through_matvec_and_agrees_with_f_l
         model(ids[:, :12], cache=cache)  # prefill: several rows, F.linear in both
         logits.append(model(ids[:, 12:], cache=cache).float())  # decode: one row, torch.mv in one
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0.05)  # bfloat16 rounding apart
+
+
+def test_load_precision_builds_each_named_variant():
+    from minillm.fast.quant import PRECISIONS, load_precision
+
+    assert list(PRECISIONS) == ["float32", "bfloat16", "int8", "int4"]
+    for precision, head in [("float32", nn.Linear), ("bfloat16", MatVecLinear), ("int8", Int8Linear)]:
+        model, tokenizer = load_precision("smollm2-135m-instruct", precision)
+        assert isinstance(model.lm_head, head) and tokenizer.eos_token_id == 2
+    with pytest.raises(ValueError, match="unknown precision 'fp8'"):
+        load_precision("smollm2-135m-instruct", "fp8")

@@ -7,7 +7,8 @@ takes three translations:
 * names: ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (Hugging Face's, which
   are minillm's);
 * values: quantized blocks are dequantized to float32 (the ``gguf`` package does it, one block type at
-  a time);
+  a time), or, for the types asked for (``read_gguf(path, raw_types=("Q4_1", "Q8_0"))``), kept as the
+  file's raw blocks (``RawTensor``), which ``split_q4_1`` and ``split_q8_0`` read as integers and scales;
 * layout: llama.cpp's converter permuted the rows of ``q_proj`` and ``k_proj`` so that its RoPE kernel
   can rotate adjacent pairs (x0, x1), (x2, x3), ...; minillm (like Hugging Face) rotates the two halves
   of each head, so the permutation is undone here, per head.
@@ -15,7 +16,7 @@ takes three translations:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,47 @@ class GGUFCheckpoint:
     tokenizer: dict  # the ``tokenizer.ggml.*`` fields without their prefix, plus ``chat_template``
     tensor_types: dict[str, str]  # Hugging Face name -> how the file stored it ("Q4_1", "F32", ...)
     file_bytes: int
+    raw: dict[str, RawTensor] = field(default_factory=dict)  # the tensors kept as blocks (``raw_types``)
+
+
+# Bytes of one block of 32 weights: Q4_1 = float16 d, float16 m, 16 bytes of nibbles; Q8_0 = float16 d, 32 int8.
+BLOCK_WEIGHTS = 32
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+
+
+@dataclass
+class RawTensor:
+    """A weight as the file stores it: each row's blocks of 32 weights, bytes untouched.
+
+    ``blocks``: (out, in // 32 * BLOCK_BYTES[type]) uint8, rows in minillm's order (q/k un-permuted)."""
+
+    type: str  # "Q4_1" or "Q8_0"
+    shape: tuple[int, int]  # (out, in), as torch expects
+    blocks: np.ndarray
+
+
+def split_q4_1(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 blocks (out, G * 20) uint8 -> q (out, 32 G) uint8 in 0..15, d and m (out, G) float32.
+
+    Weight j of a block is ``d * q[j] + m``. A block is d (float16), m (float16), then 16 bytes: byte i
+    holds weight i in its low nibble and weight i + 16 in its high nibble (ggml's ``block_q4_1``).
+    """
+    rows = blocks.shape[0]
+    b = np.ascontiguousarray(blocks).reshape(rows, -1, BLOCK_BYTES["Q4_1"])  # (out, G, 20)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]  # (out, G)
+    m = b[..., 2:4].copy().view(np.float16)[..., 0]
+    nibbles = b[..., 4:]  # (out, G, 16)
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)  # (out, 32 G)
+    return torch.from_numpy(q), torch.from_numpy(d.astype(np.float32)), torch.from_numpy(m.astype(np.float32))
+
+
+def split_q8_0(blocks: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks (out, G * 34) uint8 -> q (out, 32 G) int8 and d (out, G) float32; weight = d * q."""
+    rows = blocks.shape[0]
+    b = np.ascontiguousarray(blocks).reshape(rows, -1, BLOCK_BYTES["Q8_0"])  # (out, G, 34)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0]  # (out, G)
+    q = b[..., 2:].copy().view(np.int8).reshape(rows, -1)  # (out, 32 G)
+    return torch.from_numpy(q), torch.from_numpy(d.astype(np.float32))
 
 
 def _gguf_module():
@@ -116,8 +158,12 @@ def unpermute_rope_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def read_gguf(path: str | Path) -> GGUFCheckpoint:
-    """Read and dequantize a LLaMA GGUF file (float32 weights on the CPU)."""
+def read_gguf(path: str | Path, raw_types: tuple[str, ...] = ()) -> GGUFCheckpoint:
+    """Read and dequantize a LLaMA GGUF file (float32 weights on the CPU).
+
+    ``raw_types``: block types (of ``BLOCK_BYTES``) whose tensors are kept as the file's blocks in
+    ``checkpoint.raw`` and not dequantized; the token embedding, a lookup table, is dequantized as well.
+    """
     gguf = _gguf_module()
     path = Path(path)
     if not path.is_file():
@@ -126,10 +172,18 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
         reader = gguf.GGUFReader(path)
     except Exception as error:  # the gguf package raises ValueError or struct errors on a bad header
         raise ValueError(f"{path} is not a readable GGUF file: {error}") from error
+    unknown = sorted(set(raw_types) - BLOCK_BYTES.keys())
+    if unknown:
+        raise ValueError(f"raw_types={unknown}: only {sorted(BLOCK_BYTES)} blocks can be kept as they are")
     config = config_from_gguf(reader)
-    state, types = {}, {}
+    state, types, raw = {}, {}, {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
+        types[name] = tensor.tensor_type.name
+        if types[name] in raw_types:
+            raw[name] = _raw_tensor(tensor, name, config)
+            if name != "model.embed_tokens.weight":
+                continue
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # numpy, GGUF shape reversed
         values = values.reshape([int(n) for n in reversed(tensor.shape)])  # (out, in) as torch expects
         if name.endswith("q_proj.weight"):
@@ -137,7 +191,19 @@ def read_gguf(path: str | Path) -> GGUFCheckpoint:
         elif name.endswith("k_proj.weight"):
             values = unpermute_rope_rows(values, config.n_kv_heads)
         state[name] = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
-        types[name] = tensor.tensor_type.name
     tokenizer = {key: _field(reader, f"tokenizer.ggml.{key}") for key in TOKENIZER_KEYS}
     tokenizer["chat_template"] = _field(reader, "tokenizer.chat_template")
-    return GGUFCheckpoint(path, config, state, tokenizer, types, path.stat().st_size)
+    return GGUFCheckpoint(path, config, state, tokenizer, types, path.stat().st_size, raw)
+
+
+def _raw_tensor(tensor, name: str, config: ModelConfig) -> RawTensor:
+    """One tensor's blocks, copied out of the file, q/k rows un-permuted (whole rows of blocks move)."""
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # (out, in)
+    if len(shape) != 2 or shape[1] % BLOCK_WEIGHTS:
+        raise ValueError(f"{name}: shape {shape} is no matrix of whole {BLOCK_WEIGHTS}-weight blocks")
+    blocks = np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1)  # (out, bytes per row)
+    if name.endswith("q_proj.weight"):
+        blocks = unpermute_rope_rows(blocks, config.n_heads)
+    elif name.endswith("k_proj.weight"):
+        blocks = unpermute_rope_rows(blocks, config.n_kv_heads)
+    return RawTensor(tensor.tensor_type.name, shape, np.ascontiguousarray(blocks))

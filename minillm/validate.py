@@ -74,5 +74,5 @@ def read_json(path: Path) -> dict:
     """A JSON file as a dict; invalid JSON is a ValueError naming the file."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path} is not valid JSON: {error}") from error

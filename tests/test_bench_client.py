@@ -340,3 +340,120 @@ def test_bad_limits_are_usage_errors(argv, words, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+# ---- servers that take only text, as llama-cpp-python's: text prompts, and tokens counted right ----------
+class _TextOnlyServer:
+    """Like llama-cpp-python's server: a prompt of token ids is a 500 ("Input should be a valid string"); a
+    stream is one chunk per token (no token_ids, no usage), then a last chunk with no text that only gives the
+    finish_reason, then [DONE]. ``ignore_eos`` is ignored, ``min_tokens`` honoured. Under /interrupt/v1 a
+    stream ends with [DONE] after 2 tokens and no finish_reason, as when a newer request interrupts it; under
+    /interrupt/v1 and /lenient/v1 a prompt of ids is taken too."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        seen = self.bodies = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, status, body: dict):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self.reply(200, {"data": [{"id": "/models/some-model.Q4_1.gguf", "object": "model"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                seen.append(body)
+                if not isinstance(body["prompt"], str) and not self.path.startswith(("/interrupt", "/lenient")):
+                    return self.reply(500, {"error": {"message": "[{'type': 'string_type', 'loc': ('body', "
+                                                                 "'prompt', 'str'), 'msg': 'Input should be a "
+                                                                 "valid string'}]"}})
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                n = 2 if self.path.startswith("/interrupt") else body.get("min_tokens") or 3
+                events = [{"id": "cmpl-t", "choices": [{"text": " w", "index": 0, "finish_reason": None}]}] * n
+                if not self.path.startswith("/interrupt"):
+                    events.append({"id": "cmpl-t", "choices": [{"text": "", "index": 0, "finish_reason": "length"}]})
+                for event in [*map(json.dumps, events), "[DONE]"]:
+                    self.wfile.write(f"data: {event}\n\n".encode())
+                    self.wfile.flush()
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+
+@pytest.fixture(scope="module")
+def text_only():
+    text_server = _TextOnlyServer()
+    yield text_server
+    text_server.httpd.shutdown()
+    text_server.httpd.server_close()
+
+
+def test_a_text_only_server_is_measured_with_text_prompts(text_only, capsys):
+    argv = ["--url", text_only.url, "--num-requests", "4", "--prompt-len", "8", "16", "--output-len", "5", "5",
+            "--concurrency", "2", "--request-timeout", "20"]
+    assert bounded(lambda: main(argv + ["--prompt-format", "ids"])) == 1  # what llama.cpp answers to ids
+    printed = capsys.readouterr().out
+    assert "0 / 4" in printed and "4 x ValueError: HTTP 500" in printed and "valid string" in printed
+    del text_only.bodies[:]
+    assert bounded(lambda: main(argv + ["--prompt-format", "text", "--tokenizer", "bytes", "--min-tokens"])) == 0
+    printed = capsys.readouterr().out
+    assert "sent as text (random ids decoded with the bytes tokenizer)" in printed and "4 / 4" in printed
+    assert "Output tokens                     20" in printed  # 5 each: the last chunk, with no text, counts none
+    assert "output tokens counted from: one token per chunk (no token_ids, no usage) for 4" in printed
+    assert all(isinstance(b["prompt"], str) and 8 <= len(b["prompt"]) <= 16 and b["min_tokens"] == 5
+               for b in text_only.bodies)
+
+
+def test_a_stream_that_ends_with_done_but_no_finish_reason_is_a_failed_request(text_only):
+    requests = [Request(0, [1, 2, 3], 5)]
+    url = text_only.url.replace("/v1", "/interrupt/v1")
+    result = bounded(lambda: run_benchmark(url, "m", requests, timeout=5.0))
+    record = result.records[0]
+    assert record.error and "no choice gave a finish_reason (interrupted" in record.error
+    assert result.metrics.n_failed == 1
+
+
+def test_a_last_chunk_with_only_a_finish_reason_is_not_a_token(text_only):
+    requests = [Request(i, [1, 2, 3], 3) for i in range(2)]
+    url = text_only.url.replace("/v1", "/lenient/v1")
+    result = bounded(lambda: run_benchmark(url, "m", requests, timeout=5.0))
+    assert [len(r.token_times) for r in result.records] == [3, 3] and result.metrics.output_tokens == 6
+
+
+def test_text_prompts_and_the_request_body():
+    prompts = bench_client.TextPrompts("bytes")
+    text, n = prompts.text([0, 1, 94, 95, 300])
+    assert (text, n) == (" !~ /", 5) and text.isprintable()
+    assert payload("m", Request(0, [1, 2], 5, ignore_eos=True), prompt="hi", min_tokens=True) == {
+        "model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "ignore_eos": True,
+        "min_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+    with pytest.raises(ValueError, match="no tokenizer for 'gpt-4'"):
+        bench_client.load_tokenizer("gpt-4")
+    assert bench_client.tokenizer_for("tiny") is None
+    assert bench_client.tokenizer_for("smollm2-135m-instruct") == "smollm2-135m-instruct"
+
+
+def test_output_tokens_can_be_counted_from_usage():
+    by_chunks, by_usage = run_scripted(), run_scripted(count="usage")
+    assert [r.counted_by for r in by_chunks.records if not r.error] == ["chunks", "token_ids", "chunks"]
+    assert [r.counted_by for r in by_usage.records if not r.error] == ["usage"] * 3
+    short = by_usage.records[-1]  # two chunks, usage says three: the last chunk's time stands for the third
+    assert short.token_times == pytest.approx([0.24, 0.25, 0.25])
+    assert (by_chunks.metrics.output_tokens, by_usage.metrics.output_tokens) == (8, 9)
+    assert by_usage.to_json()["counted_by"] == {"usage": 3}

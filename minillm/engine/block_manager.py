@@ -1,6 +1,8 @@
 """Hands out KV-cache blocks from a fixed pool, counts who holds each, and can cache full blocks by content."""
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from ..validate import check_int
@@ -12,14 +14,22 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
     return -(-n_tokens // block_size)
 
 
-def block_key(parent: tuple | None, tokens: list[int]) -> tuple:
-    """The identity of a full block: its tokens and, through the parent's hash, every token before them.
+ROOT_DIGEST = hashlib.sha256(b"minillm prefix cache: no parent").digest()  # the parent of a first block
 
-    A hash chain, as in vLLM and nano-vllm. The block's own tokens are compared exactly (they are part
-    of the dictionary key); the prefix before them is summarized by a 64-bit hash, so two different
-    prefixes would share a block only on a hash collision (about 2^-64 per pair of keys).
+
+def block_key(parent: bytes | None, tokens: list[int]) -> bytes:
+    """The identity of a full block: SHA-256 of its parent's key and its own tokens (32 bytes).
+
+    A hash chain, as in vLLM and nano-vllm: the key of block i digests block i-1's key, so it stands
+    for every token from the start of the sequence to the end of block i. The digest is cryptographic
+    because the tokens come from clients: with Python's built-in ``hash()`` (which is invertible for
+    tuples of small ints, and equal for -1 and -2), a client could craft a block whose key is another
+    user's, and that user's reply would then be computed from the crafted block's KV (prefix-cache
+    poisoning; vLLM moved to SHA-256 after GHSA-rm76-4mrf-v9r8). Finding two token sequences with one
+    SHA-256 digest is out of reach, so equal keys mean equal prefixes.
     """
-    return (None if parent is None else hash(parent), tuple(tokens))
+    ids = array("q", tokens)  # 8 bytes per id; the parent is always 32 bytes, so the encoding is unambiguous
+    return hashlib.sha256((ROOT_DIGEST if parent is None else parent) + ids.tobytes()).digest()
 
 
 class BlockManager:
@@ -39,8 +49,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # taken from the front
-        self.key_of: dict[int, tuple] = {}  # block -> the key of the full block it holds (cached blocks only)
-        self.block_of: dict[tuple, int] = {}  # key -> block: the prefix cache
+        self.key_of: dict[int, bytes] = {}  # block -> the key of the full block it holds (cached blocks only)
+        self.block_of: dict[bytes, int] = {}  # key -> block: the prefix cache
 
     @property
     def num_free(self) -> int:
@@ -120,7 +130,7 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-    def _cached_prefix(self, seq: Sequence) -> tuple[list[tuple], list[int]]:
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[bytes], list[int]]:
         """Keys and blocks of the longest run of ``seq``'s first full blocks found in the
         cache.
 

@@ -14,10 +14,17 @@ with ``minillm.analysis.metrics`` (vLLM's definitions). A chunk counts one token
 ``token_ids`` lists when the server sends them. ``--compare-engine`` (minillm servers only) also reads
 the engine's own timestamps of the same requests and prints what HTTP and streaming added.
 
-A request counts as completed only when its stream carried tokens and ended with ``[DONE]`` or a
-``finish_reason``. Anything else (an HTTP error, a stream cut short, a chunk that is not OpenAI's shape, no
-token for ``--timeout`` seconds, more than ``--request-timeout`` seconds in all) makes it a failed request
-with its reason; the run goes on, and always ends with its table (and its ``--json``).
+A request counts as completed only when its stream carried tokens and a ``finish_reason`` (OpenAI's streams
+always end with one; ``[DONE]`` alone is what llama-cpp-python sends when a newer request interrupts a
+stream: start it with ``--interrupt_requests False`` to measure it under load). Anything else (an HTTP
+error, a stream cut short, a chunk that is not OpenAI's shape, no token for ``--timeout`` seconds, more
+than ``--request-timeout`` seconds in all) makes it a failed request with its reason; the run goes on, and
+always ends with its table (and its ``--json``).
+
+Prompts go as token ids, or as text (``--prompt-format``): random ids decoded with the served model's
+tokenizer (``--tokenizer``; by default the one the model's name points at: a packaged model or a .gguf
+file, as llama-cpp-python names its model). Output tokens are counted from the chunks, or with
+``--count-tokens usage`` from the usage the server reports; the table's last line says which.
 """
 from __future__ import annotations
 
@@ -63,6 +70,7 @@ class ClientRecord:
     finish_reason: str | None = None
     text: str = ""
     error: str | None = None
+    counted_by: str = "chunks"  # what its output tokens were counted from: token_ids, usage or chunks
 
 
 @dataclass(frozen=True)
@@ -76,13 +84,23 @@ class BenchResult:
     metrics: ServingMetrics
 
     @property
+    def counted_by(self) -> dict[str, int]:
+        """Completed requests by what their output tokens were counted from (token_ids, usage, chunks)."""
+        counts: dict[str, int] = {}
+        for r in self.records:
+            if not r.error:
+                counts[r.counted_by] = counts.get(r.counted_by, 0) + 1
+        return counts
+
+    @property
     def count_mismatches(self) -> int:
         """Requests whose chunks carried a different number of tokens than the server's usage says."""
-        return sum(r.usage_tokens is not None and not r.error and r.usage_tokens != len(r.token_times)
-                   for r in self.records)
+        return sum(r.usage_tokens is not None and not r.error and r.counted_by != "usage"
+                   and r.usage_tokens != len(r.token_times) for r in self.records)
 
     def to_json(self) -> dict:
         return {"url": self.url, "model": self.model, "count_mismatches": self.count_mismatches,
+                "counted_by": self.counted_by,
                 "metrics": metrics_dict(self.metrics), "requests": [asdict(r) for r in self.records]}
 
 
@@ -104,9 +122,12 @@ def metrics_dict(m: ServingMetrics) -> dict:
     return out
 
 
-def payload(model: str, request: Request) -> dict:
-    """The ``/v1/completions`` body for one workload request (top_k and ignore_eos: vLLM's extensions)."""
-    body = {"model": model, "prompt": request.prompt_ids, "max_tokens": request.max_tokens,
+def payload(model: str, request: Request, prompt: str | None = None, min_tokens: bool = False) -> dict:
+    """The ``/v1/completions`` body for one workload request (top_k and ignore_eos: vLLM's extensions).
+    ``prompt``: the request's prompt as text (default: its token ids); ``min_tokens``: also ask for
+    ``min_tokens = max_tokens`` with ignore_eos (vLLM's and llama-cpp-python's way to go past EOS)."""
+    body = {"model": model, "prompt": request.prompt_ids if prompt is None else prompt,
+            "max_tokens": request.max_tokens,
             "temperature": request.sampling.temperature, "top_p": request.sampling.top_p,
             "stream": True, "stream_options": {"include_usage": True}}
     if request.sampling.top_k:
@@ -115,7 +136,76 @@ def payload(model: str, request: Request) -> dict:
         body["seed"] = request.seed
     if request.ignore_eos:
         body["ignore_eos"] = True
+        if min_tokens:
+            body["min_tokens"] = request.max_tokens
     return body
+
+
+# ---- text prompts: random token ids decoded with the served model's tokenizer ----------------------
+class TextPrompts:
+    """Turns a workload's random prompt ids into text that the served model's tokenizer reads back as about
+    as many tokens (vLLM's random dataset does the same), for servers that take only text (llama.cpp's).
+
+    ``tokenizer``: ``"bytes"`` (minillm's byte-level tokenizer, the tiny model's: printable ASCII, one token
+    per character), a model name minillm packages (``smollm2-135m-instruct``), a ``.gguf`` file or a
+    Hugging Face folder (their BPE tokenizer)."""
+
+    def __init__(self, tokenizer: str):
+        self.name = tokenizer
+        if tokenizer == "bytes":
+            from ..text.byte import ByteTokenizer
+
+            self.tokenizer, self.vocab_size = ByteTokenizer(), 95
+        else:
+            self.tokenizer = load_tokenizer(tokenizer)
+            self.vocab_size = self.tokenizer.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        if self.name == "bytes":
+            return self.tokenizer.encode(text, bos=False)
+        return self.tokenizer.encode(text, add_bos=False, special=False)
+
+    def text(self, ids: list[int]) -> tuple[str, int]:
+        """The prompt text for ``ids`` (drawn in [0, vocab_size)) and its length in tokens, re-encoded."""
+        if self.name == "bytes":
+            text = "".join(chr(32 + i % 95) for i in ids)
+            return text, len(text)
+        text = self.tokenizer.decode([i % self.vocab_size for i in ids], skip_special_tokens=True)
+        tokens = self.encode(text)
+        if len(tokens) > len(ids):  # decoding and encoding again may merge or split: cut to the length asked
+            text = self.tokenizer.decode(tokens[:len(ids)], skip_special_tokens=True)
+            tokens = self.encode(text)
+        return text, len(tokens)
+
+
+def load_tokenizer(name_or_path: str):
+    """The BPE tokenizer of a packaged model name, a ``.gguf`` file or a Hugging Face folder."""
+    from pathlib import Path
+
+    from ..checkpoints.pretrained import PACKAGED, gguf_checkpoint, gguf_tokenizer
+    from ..text.bpe import BPETokenizer
+
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return BPETokenizer.from_hf_folder(path)
+    if str(name_or_path).lower() in PACKAGED or (path.is_file() and path.suffix.lower() == ".gguf"):
+        return gguf_tokenizer(gguf_checkpoint(name_or_path))
+    raise ValueError(f"no tokenizer for {name_or_path!r}: give --tokenizer bytes, one of {sorted(PACKAGED)}, "
+                     "a .gguf file or a Hugging Face folder")
+
+
+def tokenizer_for(model: str) -> str | None:
+    """The ``TextPrompts`` tokenizer a served model's name points at (a packaged name or a .gguf path, as
+    llama-cpp-python names its model), or None."""
+    from pathlib import Path
+
+    from ..checkpoints.pretrained import PACKAGED
+
+    path = Path(model).expanduser()
+    if model.lower() in PACKAGED or (path.is_file() and path.suffix.lower() == ".gguf") or \
+            (path.is_dir() and (path / "tokenizer.json").is_file()):
+        return model
+    return None
 
 
 class StreamError(ValueError):
@@ -145,16 +235,17 @@ class _Stream:
 
     def __init__(self, prompt_len: int):
         self.times, self.text, self.prompt_len = [], [], prompt_len
+        self.has_ids = False  # some chunk carried token_ids
         self.response_id = self.usage_tokens = self.finish = None
         self.done = False  # saw data: [DONE]
 
 
-async def _receive(client, url: str, model: str, request: Request, t0: float, clock, idle_timeout: float | None,
+async def _receive(client, url: str, body: dict, t0: float, clock, idle_timeout: float | None,
                    got: _Stream) -> None:
     """Stream one request into ``got``; stamp each chunk as its line arrives, before parsing it.
     ``idle_timeout``: seconds the stream may go without a token (SSE comments and empty events do not count:
     a server that sends a keep-alive comment every second would reset httpx's read timeout forever)."""
-    async with client.stream("POST", f"{url}/completions", json=payload(model, request)) as response:
+    async with client.stream("POST", f"{url}/completions", json=body) as response:
         if response.status_code != 200:
             body = (await response.aread()).decode(errors="replace")
             raise ValueError(f"HTTP {response.status_code}: {body[:300]}")
@@ -176,13 +267,16 @@ async def _receive(client, url: str, model: str, request: Request, t0: float, cl
             choices, usage = _check_chunk(chunk)
             got.response_id = got.response_id or (chunk.get("id") if isinstance(chunk.get("id"), str) else None)
             for choice in choices:
-                ids = choice.get("token_ids")
-                got.times += [now] * (len(ids) if isinstance(ids, list) else 1)
-                text = choice.get("text")
+                ids, text, finish = choice.get("token_ids"), choice.get("text"), choice.get("finish_reason")
+                got.has_ids = got.has_ids or isinstance(ids, list)
+                # without token_ids, a chunk is one token, except a last one with no text that only says why
+                # the stream ended (llama.cpp's servers send one after the last token)
+                n = len(ids) if isinstance(ids, list) else 0 if (finish is not None and not text) else 1
+                got.times += [now] * n
                 got.text.append(text if isinstance(text, str) else "")
-                finish = choice.get("finish_reason")
                 got.finish = finish if isinstance(finish, str) else got.finish
-                last_token = time.monotonic()
+                if n:
+                    last_token = time.monotonic()
             if usage:
                 tokens, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
                 got.usage_tokens = tokens if isinstance(tokens, int) else got.usage_tokens
@@ -190,38 +284,58 @@ async def _receive(client, url: str, model: str, request: Request, t0: float, cl
 
 
 async def send(client, url: str, model: str, request: Request, t0: float, clock,
-               request_timeout: float | None = None, idle_timeout: float | None = None) -> ClientRecord:
+               request_timeout: float | None = None, idle_timeout: float | None = None,
+               prompt: tuple[str, int] | None = None, min_tokens: bool = False,
+               count: str = "chunks") -> ClientRecord:
     """Send one streaming request and record it. Whatever goes wrong (HTTP errors, a stream cut short, a
     chunk of the wrong shape, a deadline) ends this request alone, as a failed record that says why.
 
-    A request counts as completed only if its stream carried tokens and ended properly: with
-    ``data: [DONE]`` or a choice's ``finish_reason``. ``request_timeout``: seconds for the whole request."""
-    arrival, got = clock() - t0, _Stream(len(request.prompt_ids))
+    A request counts as completed only if its stream carried tokens and a choice's ``finish_reason``.
+    ``request_timeout``: seconds for the whole request.
+    ``prompt``: (text, its length in tokens) to send instead of the token ids.
+
+    Output tokens are counted from the chunks: their ``token_ids`` when the server sends them, else one per
+    chunk (a last chunk with no text and only a finish_reason counts none). ``count="usage"``: from the
+    usage the server reports (``completion_tokens``) where it reports one, for servers whose chunks are not
+    tokens; the token times are then the chunks' times, the last one repeated or cut to usage's count.
+    ``counted_by`` says which count a record holds."""
+    arrival, got = clock() - t0, _Stream(len(request.prompt_ids) if prompt is None else prompt[1])
+    body = payload(model, request, None if prompt is None else prompt[0], min_tokens)
     error = None
     try:
-        await asyncio.wait_for(_receive(client, url, model, request, t0, clock, idle_timeout, got), request_timeout)
+        await asyncio.wait_for(_receive(client, url, body, t0, clock, idle_timeout, got), request_timeout)
         if not got.times:
             error = "StreamError: the stream ended without a token" + (" ([DONE] only)" if got.done else "")
         elif not got.done and got.finish is None:
             error = (f"StreamError: the stream ended after {len(got.times)} token(s) without [DONE] or a "
                      "finish_reason (cut short?)")
+        elif got.finish is None:  # llama-cpp-python ends a stream so when a newer request interrupts it
+            error = (f"StreamError: the stream ended with [DONE] after {len(got.times)} token(s) but no choice "
+                     "gave a finish_reason (interrupted by the server?)")
     except asyncio.TimeoutError:
         error = f"TimeoutError: the request took more than {request_timeout:g} s ({len(got.times)} token(s) came)"
     except Exception as e:  # one request's failure, whatever it is, is that request's record
         error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    return ClientRecord(request.request_id, got.prompt_len, arrival, [] if error else got.times, got.response_id,
-                        got.usage_tokens, got.finish, "".join(got.text), error)
+    times, counted_by = got.times, "token_ids" if got.has_ids else "chunks"
+    if count == "usage" and not error and got.usage_tokens is not None and got.usage_tokens > 0:
+        n, counted_by = got.usage_tokens, "usage"
+        times = times[:n] + [times[-1]] * (n - len(times))
+    return ClientRecord(request.request_id, got.prompt_len, arrival, [] if error else times, got.response_id,
+                        got.usage_tokens, got.finish, "".join(got.text), error, counted_by)
 
 
 async def _run(url: str, model: str, requests: list[Request], concurrency: int | None, timeout: float, clock,
-               transport, request_timeout: float | None) -> tuple[list[ClientRecord], float]:
+               transport, request_timeout: float | None, prompts: dict | None = None,
+               min_tokens: bool = False, count: str = "chunks") -> tuple[list[ClientRecord], float]:
+    prompts = prompts or {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
         t0 = clock()
         if concurrency is None:  # open loop: each request leaves at its arrival time, whatever the server does
             async def at(request: Request) -> ClientRecord:
                 await asyncio.sleep(max(0.0, request.arrival_time - (clock() - t0)))
-                return await send(client, url, model, request, t0, clock, request_timeout, timeout)
+                return await send(client, url, model, request, t0, clock, request_timeout, timeout,
+                                  prompts.get(request.request_id), min_tokens, count)
 
             records = await asyncio.gather(*(at(r) for r in requests))
         else:  # closed loop: each user sends its next request when its last one has ended
@@ -230,7 +344,8 @@ async def _run(url: str, model: str, requests: list[Request], concurrency: int |
             async def user() -> None:
                 for request in queue:
                     done[request.request_id] = await send(client, url, model, request, t0, clock, request_timeout,
-                                                          timeout)
+                                                          timeout, prompts.get(request.request_id), min_tokens,
+                                                          count)
 
             await asyncio.gather(*(user() for _ in range(concurrency)))
             records = [done[r.request_id] for r in requests]
@@ -239,7 +354,8 @@ async def _run(url: str, model: str, requests: list[Request], concurrency: int |
 
 def run_benchmark(url: str, model: str, requests: list[Request], *, concurrency: int | None = None,
                   slo: SLO | None = None, timeout: float = 600.0, request_timeout: float | None = None,
-                  clock=time.perf_counter, transport=None) -> BenchResult:
+                  clock=time.perf_counter, transport=None, prompts: dict | None = None,
+                  min_tokens: bool = False, count: str = "chunks") -> BenchResult:
     """Send ``requests`` to the server at ``url`` (ending in ``/v1``) and measure them.
 
     Open loop (``concurrency=None``): request i is sent at its ``arrival_time`` (seconds from the
@@ -247,14 +363,20 @@ def run_benchmark(url: str, model: str, requests: list[Request], *, concurrency:
     ``timeout``: seconds any one read may wait, and a stream may go without a token; ``request_timeout``:
     seconds for a whole request (None: no limit). A request that fails in any way is a failed record with its
     reason in ``error``; the run itself does not raise. Works inside a running event loop (Jupyter) too.
+    ``prompts``: request id -> (text, tokens) to send as the prompt instead of its ids (``TextPrompts``);
+    ``min_tokens``: ask for ``min_tokens`` too (servers without ``ignore_eos``); ``count``: "chunks" or
+    "usage", what output tokens are counted from (see ``send``).
     """
+    if count not in ("chunks", "usage"):
+        raise ValueError(f"count={count!r} must be 'chunks' or 'usage'")
     url = url.rstrip("/")
     if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
         raise ValueError(f"concurrency={concurrency!r} must be an integer >= 1 (or None: open loop)")
     for name, value in (("timeout", timeout), ("request_timeout", request_timeout)):
         if value is not None and not (isinstance(value, (int, float)) and value > 0):
             raise ValueError(f"{name}={value!r} must be a number of seconds > 0")
-    coroutine = _run(url, model, requests, concurrency, timeout, clock, transport, request_timeout)
+    coroutine = _run(url, model, requests, concurrency, timeout, clock, transport, request_timeout, prompts,
+                     min_tokens, count)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -359,8 +481,23 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 64), metavar=("LO", "HI"),
                         help="output tokens, drawn in [LO, HI] (default 16 64)")
     parser.add_argument("--length-dist", choices=LENGTH_DISTS, default="uniform", help="default uniform")
-    parser.add_argument("--vocab-size", type=int, default=256,
-                        help="prompt token ids are drawn in [0, vocab-size) (default 256: valid for any model)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="prompt token ids are drawn in [0, vocab-size) (default 256: valid for any model; "
+                             "text prompts: the tokenizer's vocabulary)")
+    parser.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
+                        help="send prompts as token ids or as text (random ids decoded with --tokenizer; "
+                             "llama.cpp's servers take only text); auto (default): text when the served model "
+                             "names a tokenizer minillm can read (a packaged model, a .gguf file), else ids")
+    parser.add_argument("--tokenizer", default=None,
+                        help="text prompts: 'bytes' (minillm's byte tokenizer), a packaged model name, a .gguf "
+                             "file or a Hugging Face folder (default: the served model's name)")
+    parser.add_argument("--min-tokens", action="store_true",
+                        help="with ignore_eos also send min_tokens = max_tokens (llama-cpp-python has no "
+                             "ignore_eos; minillm refuses min_tokens)")
+    parser.add_argument("--count-tokens", choices=("chunks", "usage"), default="chunks",
+                        help="count output tokens from the stream's chunks (their token_ids, else one per chunk; "
+                             "default) or from the usage the server reports, where it does (servers without "
+                             "ignore_eos, or whose chunks are not tokens)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the lengths, prompts and arrivals (default 0)")
     parser.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
     parser.add_argument("--no-ignore-eos", action="store_true",
@@ -385,8 +522,9 @@ def workload(args: argparse.Namespace) -> tuple[list[Request], int | None]:
         raise ValueError(f"--concurrency {args.concurrency}: give at least 1 user")
     rate = math.inf if args.request_rate is None else args.request_rate
     arrivals = poisson_arrivals(args.num_requests, rate, seed=args.seed, burstiness=args.burstiness)
+    vocab = args.vocab_size if args.vocab_size is not None else getattr(args, "text_vocab", None) or 256
     requests = random_requests(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), seed=args.seed,
-                               vocab_size=args.vocab_size, arrival_times=arrivals, length_dist=args.length_dist,
+                               vocab_size=vocab, arrival_times=arrivals, length_dist=args.length_dist,
                                sampling=SamplingParams(temperature=args.temperature),
                                ignore_eos=not args.no_ignore_eos)
     return requests, args.concurrency
@@ -412,16 +550,37 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # any answer that is not a model list
         print(f"python -m minillm bench: error: cannot list the models at {args.url}: {error}", file=sys.stderr)
         return 1
+    prompts, prompt_note = None, "token ids"
+    tokenizer = args.tokenizer or (tokenizer_for(model) if args.prompt_format != "ids" else None)
+    if args.prompt_format == "text" or (args.prompt_format == "auto" and tokenizer):
+        if not tokenizer:
+            parser.error(f"--prompt-format text: no tokenizer for the model {model!r}; give --tokenizer")
+        try:
+            text_prompts = TextPrompts(tokenizer)
+        except Exception as error:  # a bad path, a file that is not a tokenizer
+            print(f"python -m minillm bench: error: --tokenizer {tokenizer}: {error}", file=sys.stderr)
+            return 1
+        args.text_vocab = text_prompts.vocab_size
+        requests, concurrency = workload(args)
+        del args.text_vocab
+        prompts = {r.request_id: text_prompts.text(r.prompt_ids) for r in requests}
+        prompt_note = f"text (random ids decoded with the {tokenizer} tokenizer)"
     rate = "inf" if args.request_rate is None else f"{args.request_rate:g}"
     load = (f"{concurrency} users, closed loop" if concurrency else
             f"{rate} req/s, open loop (gamma arrivals, burstiness {args.burstiness:g})")
     print(f"minillm bench: {args.num_requests} requests to {args.url}, model {model!r}")
     print(f"  load: {load}")
-    print(f"  prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens (ids < {args.vocab_size}), outputs "
-          f"{args.output_len[0]}-{args.output_len[1]} tokens, {args.length_dist}; seed {args.seed}", flush=True)
+    ids_note = "" if prompts else f" (ids < {args.vocab_size or 256})"
+    print(f"  prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens{ids_note}, sent as {prompt_note}")
+    print(f"  outputs {args.output_len[0]}-{args.output_len[1]} tokens, {args.length_dist}; seed {args.seed}",
+          flush=True)
     result = run_benchmark(args.url, model, requests, concurrency=concurrency, slo=slo, timeout=args.timeout,
-                           request_timeout=args.request_timeout)
+                           request_timeout=args.request_timeout, prompts=prompts, min_tokens=args.min_tokens,
+                           count=args.count_tokens)
     print(result.metrics.table())
+    counted = ", ".join(f"{WHAT_COUNTED[k]} for {n}" for k, n in sorted(result.counted_by.items()))
+    if counted:
+        print(f"output tokens counted from: {counted} completed request(s)")
     report_failures(result)
     if result.count_mismatches:
         print(f"{result.count_mismatches} request(s): chunks carried a different token count than usage")
@@ -445,6 +604,10 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, f, indent=1)
         print(f"results written to {args.json}")
     return status
+
+
+WHAT_COUNTED = {"token_ids": "the chunks' token_ids", "usage": "the server's usage (completion_tokens)",
+                "chunks": "one token per chunk (no token_ids, no usage)"}
 
 
 def report_failures(result: BenchResult, show: int = 5) -> None:

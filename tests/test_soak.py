@@ -1,0 +1,42 @@
+"""The soak run, short: mixed load on a tiny-model server with a small KV pool (streaming and not, chat and
+completions, disconnects, abandoned requests, bad and degenerate requests), then its checks: one outcome
+per request, the server's books agree, tokens equal generate() alone, every KV block free, RSS bounded."""
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+
+
+def load_soak():
+    if "soak_script" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("soak_script", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["soak_script"] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules["soak_script"]
+
+
+def test_a_short_soak_run_passes_every_check(capsys):
+    soak = load_soak()
+    status = soak.main(["--seconds", "20", "--requests", "60", "--concurrency", "8", "--seed", "1"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "soak: all checks passed" in printed and "FAIL" not in printed
+    assert "0 of 24 blocks used at the end" in printed
+
+
+def test_a_failed_check_is_a_nonzero_exit(capsys):
+    """The report itself: a request without an outcome, or blocks still held, fail the run."""
+    soak = load_soak()
+    books = soak.Books()
+    books.sent = {0, 1}
+    books.record(soak.Outcome(0, "bad", "rejected", reached_engine=False))
+    books.record(soak.Outcome(0, "bad", "rejected", reached_engine=False))  # twice
+    idle = {"finished": 0, "aborted": 0, "failed": 0, "steps": 0, "running": 0, "waiting": 0,
+            "kv_blocks_used": 0, "kv_blocks_total": 24}
+    args = soak.parse_args(["--seconds", "1"])
+    assert soak.report(args, books, idle, {**idle, "kv_blocks_used": 3}, 1000, 1000, 1.0, [0.01], True) == 1
+    printed = capsys.readouterr().out
+    assert "FAIL  every request has exactly one outcome (none lost, none twice): lost 1, recorded twice 1" in printed
+    assert "FAIL  all KV blocks free" in printed and "FAIL  greedy" in printed  # nothing completed to check

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from minillm import CausalLM, generate
+from minillm.checkpoints.gguf import read_gguf
 from minillm.checkpoints.hf import config_from_hf, config_to_hf, load_checkpoint
 from minillm.config import ModelConfig
 
@@ -153,3 +154,27 @@ def test_a_bad_config_json_names_the_file(tmp_path, model, content, error, words
     with pytest.raises(error) as info:
         load_checkpoint(tmp_path)
     assert str(tmp_path) in str(info.value) and words in str(info.value)
+
+
+def test_a_truncated_gguf_names_the_file_and_says_it_may_be_truncated(tmp_path):
+    from minillm.checkpoints.pretrained import gguf_path
+
+    truncated = tmp_path / "half.gguf"
+    truncated.write_bytes(gguf_path().read_bytes()[:50_000_000])
+    with pytest.raises(ValueError, match=r"half\.gguf is not a readable GGUF file \(truncated or corrupt\?\)"):
+        read_gguf(truncated)
+
+
+def test_an_upper_case_gguf_suffix_loads(tmp_path):
+    from minillm.checkpoints.pretrained import gguf_path
+
+    upper = tmp_path / "SMOL.GGUF"
+    upper.symlink_to(gguf_path())
+    assert gguf_path(upper) == upper
+
+
+def test_an_eos_token_outside_the_vocabulary_is_refused_by_the_engine(tiny_model):
+    from minillm.engine import Engine
+
+    with pytest.raises(ValueError, match=r"eos_token_id=258 is outside the model's vocabulary \[0, 258\)"):
+        Engine(tiny_model, eos_token_id=258)

@@ -171,7 +171,7 @@ def read_gguf(path: str | Path, raw_types: tuple[str, ...] = ()) -> GGUFCheckpoi
     try:
         reader = gguf.GGUFReader(path)
     except Exception as error:  # the gguf package raises ValueError or struct errors on a bad header
-        raise ValueError(f"{path} is not a readable GGUF file: {error}") from error
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {error}") from error
     unknown = sorted(set(raw_types) - BLOCK_BYTES.keys())
     if unknown:
         raise ValueError(f"raw_types={unknown}: only {sorted(BLOCK_BYTES)} blocks can be kept as they are")

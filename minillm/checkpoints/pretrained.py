@@ -113,7 +113,7 @@ def load_pretrained(name_or_path: str | Path, device="cpu", dtype="float32", *,
     if key in PACKAGED:
         return _load_gguf(packaged_path(key), device, dtype)
     path = Path(name_or_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and path.suffix.lower() == ".gguf":
         return _load_gguf(path, device, dtype)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -137,7 +137,7 @@ def gguf_path(name_or_path: str | Path = "smollm2-135m-instruct") -> Path:
     if key in PACKAGED:
         return packaged_path(key)
     path = Path(name_or_path).expanduser()
-    if not (path.is_file() and path.suffix == ".gguf"):
+    if not (path.is_file() and path.suffix.lower() == ".gguf"):
         raise ValueError(f"{str(name_or_path)!r} is neither one of {sorted(PACKAGED)} nor a .gguf file")
     return path
 

@@ -94,6 +94,9 @@ class Engine:
                               enable_chunked_prefill=enable_chunked_prefill,
                               max_num_batched_tokens=max_num_batched_tokens, max_prefill_chunk=max_prefill_chunk,
                               enable_prefix_caching=enable_prefix_caching)
+        if config.eos_token_id is not None and config.eos_token_id >= model.config.vocab_size:
+            raise ValueError(f"eos_token_id={config.eos_token_id} is outside the model's vocabulary "
+                             f"[0, {model.config.vocab_size})")
         self.model, self.config = model, config
         num_blocks = config.pool_blocks(model.config.max_seq_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

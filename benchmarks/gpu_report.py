@@ -1,0 +1,141 @@
+"""One command for a GPU: every chapter and lab notebook, and every benchmark's CUDA mode, into one report.
+
+Each notebook (book/*.ipynb, book/labs/*.ipynb) is executed with nbclient into a temporary copy (the book's
+files are not touched), with MINILLM_STRICT_CLAIMS=1, so a measured claim that does not hold on the GPU stops
+it: its result is "ok", "failed claim" (the claim's first line) or "error" (the exception's first line), with
+its seconds. The notebooks pick CUDA themselves (``minillm.book.notebook.pick_device``). Then each benchmark
+that has a CUDA mode runs in it with a time limit, and the report keeps its header and its headline lines
+(targets, ratios, "met" / "NOT met", FAIL); the CPU-only ones are listed as such.
+
+    python benchmarks/gpu_report.py [--out benchmarks/gpu_report.md] [--cell-timeout 600] [--bench-timeout 900]
+
+Needs a CUDA machine: without one it says so and exits with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ("book/*.ipynb", "book/labs/*.ipynb")
+NO_CUDA_EXIT = 2
+# script -> its CUDA-mode arguments, or None and why it has none (a test checks every bench_*.py is here)
+BENCHMARKS: dict[str, tuple[list[str] | None, str]] = {
+    "bench_smollm2.py": (["--device", "cuda"], "--device cuda"),
+    "bench_batching.py": ([], "picks CUDA itself (pick_device)"),
+    "bench_engine.py": ([], "picks CUDA itself (pick_device)"),
+    "bench_generate.py": (None, "CPU only (the tiny model on the CPU against transformers)"),
+    "bench_precision.py": (None, "CPU only (CPU kernels: int8pack, AVX-512 paths)"),
+    "bench_peers.py": (None, "CPU only (llama.cpp on the CPU)"),
+}
+HEADLINE = re.compile(r"target|\bmet\b|FAIL|ratio|speed-?up", re.IGNORECASE)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "gpu_report.md",
+                        help="where the Markdown report goes (default benchmarks/gpu_report.md)")
+    parser.add_argument("--cell-timeout", type=int, default=600, help="seconds a notebook cell may take")
+    parser.add_argument("--bench-timeout", type=int, default=900, help="seconds a benchmark may take")
+    parser.add_argument("--skip-notebooks", action="store_true")
+    parser.add_argument("--skip-benchmarks", action="store_true")
+    return parser.parse_args(argv)
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "?")[:200]
+
+
+def run_notebook(path: Path, workdir: Path, cell_timeout: int) -> tuple[str, float]:
+    """(result, seconds) of executing ``path`` into a copy under ``workdir``, in the notebook's folder."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
+    start = time.perf_counter()
+    try:
+        client.execute()
+        result = "ok"
+    except CellExecutionError as error:
+        kind = "failed claim" if error.ename == "ClaimFailed" else "error"
+        result = f"{kind}: {error.ename}: {first_line(error.evalue)}"
+    except (CellTimeoutError, TimeoutError) as error:
+        result = f"error: a cell ran past {cell_timeout} s ({first_line(error)})"
+    except DeadKernelError as error:
+        result = f"error: the kernel died ({first_line(error)})"
+    seconds = time.perf_counter() - start
+    nbformat.write(nb, workdir / path.name)
+    return result, seconds
+
+
+def run_benchmark(script: str, extra: list[str], timeout: int) -> tuple[str, float, list[str]]:
+    """(result, seconds, header and headline lines) of one benchmark in a child process."""
+    start = time.perf_counter()
+    try:
+        out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *extra], cwd=ROOT,
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:
+        text = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+        lines = text.splitlines()
+        return f"error: ran past {timeout} s", time.perf_counter() - start, lines[:1] + headlines(lines)
+    lines = out.stdout.splitlines()
+    result = "ok" if out.returncode == 0 else f"error (exit {out.returncode}): {first_line(out.stderr[-2000:])}"
+    return result, time.perf_counter() - start, lines[:1] + headlines(lines)
+
+
+def headlines(lines: list[str]) -> list[str]:
+    return [line.rstrip() for line in lines if HEADLINE.search(line)]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"gpu_report: no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False). "
+              "This report runs the book and the benchmarks on a GPU: run it on a CUDA machine.", file=sys.stderr)
+        return NO_CUDA_EXIT
+    os.environ["MINILLM_STRICT_CLAIMS"] = "1"  # the kernels and the benchmarks inherit it
+    device = torch.cuda.get_device_name(0)
+    report = ["# GPU report", "",
+              f"- device: {device} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)",
+              f"- torch {torch.__version__}, CUDA {torch.version.cuda}, Python {platform.python_version()}",
+              f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; notebooks with MINILLM_STRICT_CLAIMS=1", ""]
+    if not args.skip_notebooks:
+        report += ["## Notebooks", "", "| notebook | result | seconds |", "|---|---|---:|"]
+        with tempfile.TemporaryDirectory(prefix="gpu_report_") as workdir:
+            for pattern in NOTEBOOKS:
+                for path in sorted(ROOT.glob(pattern)):
+                    result, seconds = run_notebook(path, Path(workdir), args.cell_timeout)
+                    name = path.relative_to(ROOT)
+                    print(f"{name}: {result} ({seconds:.0f} s)", flush=True)
+                    report.append(f"| {name} | {result.replace('|', '/')} | {seconds:.0f} |")
+        report.append("")
+    if not args.skip_benchmarks:
+        report += ["## Benchmarks", ""]
+        for script, (extra, how) in BENCHMARKS.items():
+            if extra is None:
+                report += [f"### {script}: not run ({how})", ""]
+                continue
+            result, seconds, lines = run_benchmark(script, extra, args.bench_timeout)
+            print(f"{script} {' '.join(extra)}: {result} ({seconds:.0f} s)", flush=True)
+            report += [f"### {script} {' '.join(extra)}".rstrip() + f": {result}, {seconds:.0f} s ({how})", "",
+                       "```", *lines, "```", ""]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(report))
+    print(f"report written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

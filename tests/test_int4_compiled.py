@@ -1,0 +1,82 @@
+"""The static decode step on the int4 model (the file's own 4-bit weights through the int4 kernel): eagerly it
+gives exactly the tokens of the int4 model's own ``generate``; compiled (where a C++ compiler exists) its logits
+agree within bfloat16 rounding and its tokens agree up to a near tie."""
+import pytest
+import torch
+from test_int4 import PROMPT, VOCAB, T, write_tiny_gguf
+
+from minillm import KVCache, generate
+from minillm.checkpoints.gguf import read_gguf
+from minillm.fast.compiled import StaticDecoder, decode_step, find_compiler
+from minillm.fast.int4 import RAW_TYPES, int4_model, kernels_used, load_int4
+
+CPU = torch.device("cpu")
+NEAR_TIE = 0.25  # bfloat16 logits: a top-2 gap under this can flip with the rounding (demo.NEAR_TIE)
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
+
+
+@pytest.fixture(scope="module")
+def tiny_int4(tmp_path_factory):
+    """A 2-layer GGUF of Q4_1 weights (an untied Q4_1 head: the tied random one repeats a single token), loaded
+    as it is: every matmul through the kernel."""
+    path = tmp_path_factory.mktemp("int4") / "tiny.gguf"
+    write_tiny_gguf(path, {}, default=T.Q4_1, tie=False)
+    model = int4_model(read_gguf(path, RAW_TYPES))
+    assert list(kernels_used(model)) == ["int4pack (the int4 kernel on cpu)"]
+    return model
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def assert_same_up_to_a_near_tie(model, prompt: list[int], reference: list[int], tokens: list[int],
+                                 minimum: int) -> None:
+    """``tokens`` equal ``reference`` until a step where the eager model's two candidates are a near tie."""
+    first = first_difference(reference, tokens)
+    if first < len(reference):
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + reference[:first]]))[0, -1].float()
+        gap = abs(float(logits[reference[first]] - logits[tokens[first]]))
+        assert gap < NEAR_TIE, (first, gap)
+    assert first >= minimum, first
+
+
+def test_the_eager_static_step_gives_the_tiny_int4_model_s_generate_tokens(tiny_int4):
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(2)).tolist()
+    decoder = StaticDecoder(tiny_int4, 40, backend="eager")
+    tokens = decoder.generate(prompt, 30)
+    assert tokens == generate(tiny_int4, prompt, 30, eos_token_id=None)
+    assert len(set(tokens)) > 3
+
+
+def test_the_eager_static_step_gives_smollm2_int4_s_generate_tokens():
+    model, tokenizer = load_int4("smollm2-135m-instruct")
+    prompt = tokenizer.encode(PROMPT)
+    decoder = StaticDecoder(model, len(prompt) + 32, backend="eager")
+    assert decoder.generate(prompt, 32) == generate(model, prompt, 32, eos_token_id=None)
+
+
+@pytest.mark.skipif(find_compiler(CPU) is None, reason="torch.compile needs a C++ compiler on the CPU")
+def test_the_compiled_static_step_agrees_with_the_int4_model(tiny_int4):
+    """Teacher-forced, each compiled step's logits are the eager step's within bfloat16 rounding (the fused
+    loops keep float32 where eager rounds each operation to bfloat16); free-running, the tokens agree up to a
+    near tie."""
+    model = tiny_int4
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(2)).tolist()
+    compiled = StaticDecoder(model, 40)
+    assert compiled.backend == "compile", compiled.reason
+    reference = generate(model, prompt, 30, eos_token_id=None)
+    assert_same_up_to_a_near_tie(model, prompt, reference, compiled.generate(prompt, 30), minimum=4)
+    caches = [KVCache(model.config, 1, 40, CPU, model.dtype) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            model(torch.tensor([prompt]), cache=cache)
+        position = torch.tensor([len(prompt)])
+        for token in reference[:12]:
+            ids = torch.tensor([[token]])
+            eager = decode_step(model, caches[0].k, caches[0].v, ids, position).float()
+            ours = compiled.step(model, caches[1].k, caches[1].v, ids, position).float()
+            spread = float(eager.abs().max())
+            assert float((ours - eager).abs().max()) < 0.05 * spread
+            position = position + 1

@@ -170,7 +170,8 @@ class KVCache:
 
     def attend(self, layer, q, k, v, kernel: Kernel) -> torch.Tensor:
         """Write this call's k, v at its positions, then attend over every key held so far."""
-        K, V = self.update(layer, k, v, self._writes.positions)  # (B, Hkv, S, D), index = position
+        # (B, Hkv, S, D), index = position
+        K, V = self.update(layer, k, v, self._writes.positions)
         return kernel(q, K, V, self._mask)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
@@ -181,8 +182,9 @@ class KVCache:
         written; index j along S holds position j (entries past a row's own length are stale
         and must be masked by the caller, which the causal mask does).
         """
-        plan = self._writes if self._writes is not None and self._writes.positions is positions \
-            else self._plan(positions)  # planned once per call by begin, or here
+        planned = self._writes is not None and self._writes.positions is positions
+        # planned once per call by begin, or here
+        plan = self._writes if planned else self._plan(positions)
         if plan.shared is not None:  # every row writes the same positions
             self.k[layer].index_copy_(2, plan.shared, k)
             self.v[layer].index_copy_(2, plan.shared, v)

@@ -95,8 +95,9 @@ class Attention(nn.Module):
         self.recording = False  # set by CausalLM.recording_attention
         self.last_weights: torch.Tensor | None = None  # (B, n_heads, T, S) when recorded
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheView) -> torch.Tensor:
-        """x: (B, T, d_model) -> (B, T, d_model). The cache writes this call's keys and values and
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: CacheView) -> torch.Tensor:
+        """x: (B, T, d_model) -> (B, T, d_model). The cache writes this call's keys and values
         calls ``kernel`` on every key the queries may see, with its causal mask."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
@@ -104,18 +105,20 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x: (B, T, d_model) -> q (B, H, T, D), k, v (B, Hkv, T, D); q and k rotated by position."""
+        """x: (B, T, d_model) -> q (B, H, T, D), k, v (B, Hkv, T, D); q, k rotated."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
-    def kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
         """q: (B, H, T, D) over k, v: (B, Hkv, S, D) -> (B, H, T, D).
 
-        mask: (B, 1, G*T, S), True where a query may see a key (``cache.attention_mask``), or None
-        when every key is visible.
+        mask: (B, 1, G*T, S), True where a query may see a key (``cache.attention_mask``),
+        or None when every key is visible.
         """
         B, _, T, _ = q.shape
         # GQA without copying K/V: the G query heads sharing a kv head become G*T rows of it.

@@ -52,21 +52,25 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    # Shift the largest logit to 0 before dividing: the scaled logits lie in [-inf, 0], so a small
-    # temperature can only push unlikely tokens to -inf (probability 0), never overflow to +inf.
+    # Shift the largest logit to 0 before dividing: the scaled logits lie in
+    # [-inf, 0], so a small temperature can only push unlikely tokens to -inf
+    # (probability 0), never to +inf.
     shifted = logits - logits.amax(-1, keepdim=True)
     probs = torch.softmax(shifted / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # the mass of the strictly more likely tokens
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p  # top_p=1e-300 is 0.0 in float32: that alone would drop all
+        # top_p=1e-300 is 0.0 in float32: that alone would drop all
+        drop_sorted = mass_before >= params.top_p
         drop_sorted[..., 0] = False  # the most likely token is always kept
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
-    bad = ~torch.isfinite(probs).all(-1, keepdim=True) | (probs.sum(-1, keepdim=True) <= 0)
-    return torch.where(bad, _one_hot_argmax(logits), probs)  # no `if bad.any()`: that would sync a GPU
+    finite = torch.isfinite(probs).all(-1, keepdim=True)
+    bad = ~finite | (probs.sum(-1, keepdim=True) <= 0)
+    # no `if bad.any()`: that would sync a GPU
+    return torch.where(bad, _one_hot_argmax(logits), probs)
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:

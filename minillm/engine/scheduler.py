@@ -129,11 +129,12 @@ class Scheduler:
             while self.waiting and len(self.running) < self.max_batch_size and (
                     budget > 0 or self.policy == "static"):
                 seq = self.waiting[0]
-                hit = self.blocks.admit(seq)  # tokens found in the prefix cache, or None: no room
+                hit = self.blocks.admit(seq)  # tokens in the prefix cache, or None: no room
                 if hit is None:
                     break  # first come, first served: no one overtakes the head of the queue
                 self.waiting.popleft()
-                seq.status, seq.prefill_end, seq.num_computed = Status.RUNNING, seq.num_tokens, hit
+                seq.status, seq.prefill_end = Status.RUNNING, seq.num_tokens
+                seq.num_computed = hit
                 seq.cached_tokens += hit
                 cached += hit
                 self.running.append(seq)

@@ -31,33 +31,39 @@ CXX_NAMES = ("g++", "c++", "clang++")
 
 
 class StaticCacheView:
-    """A ``minillm.cache.CacheView`` of fixed shapes (gpt-fast's cache): every call attends all
-    ``max_len`` preallocated positions, the mask made from the positions, with no host sync.
+    """A ``minillm.cache.CacheView`` of fixed shapes (gpt-fast's cache): every call
+    attends all ``max_len`` preallocated positions, the mask made from the positions,
+    no host sync.
 
-    keys[i], values[i]: (B, n_kv_heads, max_len, head_dim) of layer i, e.g. a ``KVCache``'s ``k``
-    and ``v``. Written in place (their addresses never change, as a CUDA graph needs). The caller
-    keeps the lengths (``end`` does nothing), so it needs explicit positions.
+    keys[i], values[i]: (B, n_kv_heads, max_len, head_dim) of layer i, e.g. a
+    ``KVCache``'s ``k`` and ``v``. Written in place (their addresses never change, as a CUDA graph
+    needs). The caller keeps the lengths (``end`` does nothing), so it gives positions.
     """
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], n_groups: int):
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor],
+                 n_groups: int):
         self.keys, self.values, self.n_groups = keys, values, n_groups
         self._positions = self._rows = self._mask = None
 
-    def default_positions(self, batch: int, length: int, device: torch.device) -> torch.Tensor:
+    def default_positions(self, batch: int, length: int,
+                          device: torch.device) -> torch.Tensor:
         raise ValueError("the static view keeps no lengths: give the positions")
 
     def begin(self, positions: torch.Tensor) -> None:
-        """positions: (B, T). Only tensor operations: no check of the room (the caller's)."""
+        """positions: (B, T). Only tensor operations: the caller checks the room."""
         self._positions = positions
-        self._rows = torch.arange(positions.shape[0], device=positions.device)[:, None]  # (B, 1)
+        B = positions.shape[0]
+        self._rows = torch.arange(B, device=positions.device)[:, None]  # (B, 1)
         mask = causal_mask(positions, self.keys[0].shape[2])  # (B, 1, T, max_len)
         self._mask = grouped(mask, self.n_groups)  # (B, 1, G*T, max_len)
 
     def attend(self, layer, q, k, v, kernel: Kernel) -> torch.Tensor:
         keys, values = self.keys[layer], self.values[layer]
-        keys[self._rows, :, self._positions] = k.transpose(1, 2)  # (B, T, Hkv, D), each row at its positions
+        # (B, T, Hkv, D), each row at its positions
+        keys[self._rows, :, self._positions] = k.transpose(1, 2)
         values[self._rows, :, self._positions] = v.transpose(1, 2)
-        return kernel(q, keys, values, self._mask)  # every position; those after each query masked
+        # every position; those after each query are masked
+        return kernel(q, keys, values, self._mask)
 
     def end(self, positions: torch.Tensor) -> None:
         self._positions = self._rows = self._mask = None
@@ -72,9 +78,10 @@ def decode_step(model: CausalLM, keys: list[torch.Tensor], values: list[torch.Te
     The model's own layers run through a ``StaticCacheView``: each call attends all
     max_len positions and masks those after ``position``.
     """
-    cache, positions = StaticCacheView(keys, values, model.config.n_groups), position[:, None]  # (B, 1)
+    cache = StaticCacheView(keys, values, model.config.n_groups)
+    positions = position[:, None]  # (B, 1)
     cache.begin(positions)
-    logits = model.compute(token, positions, cache)  # (B, 1, vocab): no checks, no host sync
+    logits = model.compute(token, positions, cache)  # (B, 1, vocab): no checks, no sync
     cache.end(positions)
     return logits[:, 0]
 

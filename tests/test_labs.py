@@ -40,9 +40,9 @@ def solutions(lab: str):
 APPLY = _load(ROOT / "instructor" / "apply_solutions.py", "apply_solutions")
 
 
-def test_there_are_four_labs_one_per_chapter():
-    assert sorted(IDS.values()) == ["2.1", "2.2", "2.3", "2.4"]
-    assert sorted({t.lab for t in TASKS.values()}) == ["2.1", "2.2", "2.3", "2.4"]
+def test_there_is_one_lab_per_notebook():
+    assert {"2.1", "2.2", "2.3", "2.4"} <= set(IDS.values())
+    assert sorted(IDS.values()) == sorted({t.lab for t in TASKS.values()})
 
 
 @pytest.mark.parametrize("path", LABS, ids=lambda p: p.name)
@@ -75,7 +75,7 @@ def test_every_checker_fails_on_the_stubs(path):
         assert report.not_written, report.text()
 
 
-@pytest.mark.parametrize("lab", ["2.1", "2.2", "2.3", "2.4"])
+@pytest.mark.parametrize("lab", sorted(set(IDS.values())))
 def test_every_checker_passes_on_the_reference_solutions(lab):
     reports = grade(**solutions(lab))
     assert [r.task for r in reports] == [t.name for t in lab_tasks(lab)]
@@ -186,8 +186,8 @@ def test_score_prints_one_line_per_task_and_the_total(capsys):
     assert lines[0] == "Lab 2.3 score"
     assert [line.split()[0] for line in lines[1:]] == ["finished", "admit", "preempt", "the", "total"]
     assert lines[3].split()[-3:] == ["1", "/", "4"]  # only "an empty list when every sequence fits"
-    assert lines[4].split()[-3:] == ["2", "/", "4"]  # the roomy pool never needs an eviction
-    assert lines[-1].split()[1:4] == ["15", "/", "20"]
+    assert lines[4].split()[-3:] == ["3", "/", "6"]  # roomy pool, FCFS order, continuous < static
+    assert lines[-1].split()[1:4] == ["16", "/", "22"]
 
 
 def test_misuse_of_check_is_a_message_not_an_exception(capsys):
@@ -281,7 +281,8 @@ def test_grader_notes_a_lab_cell_that_calls_minillm(tmp_path):
     copied = tmp_path / path.name
     copied.write_text(json.dumps(nb), encoding="utf-8")
     reports, notes = grade_notebook(copied)
-    assert notes == [f"cell {index} mentions minillm: check that the functions are the learner's own"]
+    assert notes == ["next_token_probs called minillm.sampling.filtered_probs: the checks compare with minillm, "
+                     "so these points prove nothing; read the cell"]
     assert next(r for r in reports if r.task == "next_token_probs").all_passed
 
 

@@ -91,6 +91,10 @@ class SimResult:
     peak_batch: int = 0
     preemptions: int = 0
     running_per_step: list[int] = field(default_factory=list)
+    # departures from the policy (not from safety): ("overtake", ...) when admit starts a request ahead
+    # of one that waited longer; ("oldest", ...) when preempt evicts an older sequence and keeps a newer
+    # one; ("too many", ...) when it evicts more than the others need
+    policy_breaks: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -119,6 +123,24 @@ def _members(name: str, chosen, pool: list[Seq]) -> list[Seq]:
     if len({id(s) for s in chosen}) != len(chosen):
         raise LearnerError(f"{name} returned the same sequence twice")
     return list(chosen)
+
+
+def _judge_eviction(step: int, running: list[Seq], victims: list[Seq], free: int, block_size: int,
+                    breaks: list[tuple[str, str]]) -> None:
+    """Record how ``victims`` depart from newest-first eviction of as few sequences as the others need."""
+    n, k = len(running), len(victims)
+    newest = running[n - k:] if k else []
+    if {id(v) for v in victims} != {id(s) for s in newest}:
+        older = next(v for v in victims if all(v is not s for s in newest))
+        kept = next(s for s in newest if all(s is not v for v in victims))
+        breaks.append(("oldest", f"step {step}: preempt evicted request {older.request_id} and kept request "
+                                 f"{kept.request_id}, admitted after it"))
+        return
+    enough = next(m for m in range(n + 1) if sum(_need(s, block_size) for s in running[:n - m])
+                  <= free + sum(len(s.blocks) for s in running[n - m:]))
+    if k > enough:
+        breaks.append(("too many", f"step {step}: preempt evicted {k} of {n} running sequences; evicting "
+                                   f"the newest {enough} was enough"))
 
 
 def simulate(specs: list[Spec], admit, finished, preempt, num_blocks: int, block_size: int,
@@ -157,6 +179,7 @@ def simulate(specs: list[Spec], admit, finished, preempt, num_blocks: int, block
         preempted = False
         if sum(_need(s, block_size) for s in running) > len(free):
             victims = _members("preempt", call(preempt, list(running), len(free), block_size), running)
+            _judge_eviction(step, running, victims, len(free), block_size, result.policy_breaks)
             for victim in victims:  # newest first: the oldest victim ends up at the front of the queue
                 running.remove(victim)
                 release(victim)
@@ -173,6 +196,13 @@ def simulate(specs: list[Spec], admit, finished, preempt, num_blocks: int, block
             chosen = _members("admit", call(admit, list(waiting), list(running), len(free), block_size,
                                             max_batch_size), list(waiting))
             need = sum(_need(s, block_size) for s in chosen)
+            ahead = list(waiting)[:len(chosen)]
+            if {id(s) for s in chosen} != {id(s) for s in ahead}:
+                jumper = next(s for s in chosen if all(s is not a for a in ahead))
+                skipped = next(s for s in ahead if all(s is not c for c in chosen))
+                result.policy_breaks.append(("overtake", f"step {step}: admit started request "
+                                             f"{jumper.request_id} while request {skipped.request_id}, ahead "
+                                             "of it in the queue, kept waiting"))
             if len(running) + len(chosen) > max_batch_size:
                 result.violations.append(f"step {step}: admit let the batch grow to "
                                          f"{len(running) + len(chosen)} sequences (limit {max_batch_size})")

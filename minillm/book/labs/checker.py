@@ -7,25 +7,54 @@ traceback from deep inside the library. Each property scores one point.
 """
 from __future__ import annotations
 
+import functools
 import linecache
 import numbers
 import os
+import signal
+import sys
 import sysconfig
 import textwrap
+import threading
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..notebook import WIDTH
 
 NOT_WRITTEN = "not written yet: it still raises NotImplementedError"
+TIMEOUT_HINT = ("Look for a loop that never ends: a while whose condition never changes, or `continue` "
+                "where the loop should stop (`break`).")
+
+
+def _default_seconds() -> float:
+    try:
+        return float(os.environ.get("MINILLM_CHECK_TIMEOUT", "20"))
+    except ValueError:
+        return 20.0
+
+
+# Each property must finish within this many seconds (0: no limit). ``set_time_limit`` changes it; the
+# environment variable MINILLM_CHECK_TIMEOUT sets its default.
+TIME_LIMIT = _default_seconds()
+
+
+def set_time_limit(seconds: float) -> None:
+    """Give every property at most ``seconds`` (0 or less: no limit)."""
+    global TIME_LIMIT
+    TIME_LIMIT = float(seconds)
 
 
 class Mismatch(AssertionError):
-    """A property does not hold; the message says what was seen, never the answer."""
+    """A property does not hold; the message says what was seen, never the answer. ``hint``, when given,
+    replaces the property's own: the hint for the bug this outcome points at."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint
 
 
 class LearnerError(Exception):
@@ -43,6 +72,7 @@ class Property:
     name: str
     hint: str
     run: Callable[[dict], None]
+    seconds: float | None = None  # a slow property's own time limit (the larger of it and TIME_LIMIT)
 
 
 @dataclass(frozen=True)
@@ -64,6 +94,7 @@ class Outcome:
     detail: str = ""  # what went wrong, when it failed
     hint: str = ""
     not_written: bool = False
+    timed_out: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,6 +104,14 @@ class Report:
     task: str
     lab: str
     outcomes: tuple[Outcome, ...]
+    # minillm functions the learner's code called while these properties ran ("causal_attention called
+    # minillm.cache.causal_mask"): the checks compare with minillm, so such a pass proves nothing
+    reference_uses: tuple[str, ...] = field(default=())
+
+    @property
+    def timed_out(self) -> list[str]:
+        """The names of the properties that ran out of time."""
+        return [o.name for o in self.outcomes if o.timed_out]
 
     @property
     def passed(self) -> int:
@@ -101,15 +140,21 @@ class Report:
                 lines.append("  It will be checked for:")
                 lines += [_wrap(o.name, "    - ", "      ") for o in self.outcomes]
             return "\n".join(lines)
-        lines = [head + (" -- well done." if self.all_passed else ".")]
-        if brief and self.all_passed:
+        uses = [_wrap(f"{use}: the checks compare with minillm, so this proves nothing; write it yourself",
+                      "  note: ", " " * 8) for use in self.reference_uses]
+        done = " -- well done." if self.all_passed and not uses else "."
+        lines = [head + done]
+        if brief and self.all_passed and not uses:
             return lines[0]
+        failed = [o for o in self.outcomes if not o.passed]
         for o in self.outcomes:
             lines.append(_wrap(o.name, "  ok    " if o.passed else "  FAIL  ", " " * 8))
             if not o.passed:
                 lines.append(_wrap(o.detail, "        seen: ", " " * 14))
                 lines.append(_wrap(o.hint, "        hint: ", " " * 14))
-        return "\n".join(lines)
+        if len(failed) > 1:
+            lines.append(_wrap("Fix the first FAIL first: the later ones often follow from it.", "  ", "  "))
+        return "\n".join(lines + uses)
 
 
 def _wrap(text: str, first: str, rest: str) -> str:
@@ -121,12 +166,12 @@ def _wrap(text: str, first: str, rest: str) -> str:
 
 _LIBRARY_DIRS = tuple(os.path.realpath(p) for p in {
     sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # minillm itself
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),  # minillm itself
 })
 
 
 def _is_learner_frame(filename: str) -> bool:
-    if filename.startswith("<frozen"):
+    if filename.startswith("<") and filename not in linecache.cache:  # <frozen ...>, <string>: generated
         return False
     path = os.path.realpath(filename) if not filename.startswith("<") else filename
     return not path.startswith(_LIBRARY_DIRS)
@@ -145,11 +190,82 @@ def _where(exc: BaseException) -> str:
     return f" (line {frame.lineno} of {place}{code})"
 
 
+# --- minillm's own code reached from the learner's ---------------------------------------------------
+
+_MINILLM_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # minillm/
+_LABS_DIR = os.path.dirname(os.path.abspath(__file__))  # the labs' own helpers (Seq, ...) are the learner's to use
+_uses: list[str] | None = None  # where run_task collects them
+
+
+@functools.lru_cache(maxsize=4096)
+def _minillm_module(filename: str) -> str | None:
+    """'minillm.cache' for a file of minillm outside the labs; else None."""
+    if filename.startswith("<"):
+        return None
+    path = os.path.abspath(filename)
+    if not path.startswith(_MINILLM_DIR + os.sep) or path.startswith(_LABS_DIR + os.sep):
+        return None
+    return os.path.relpath(path, os.path.dirname(_MINILLM_DIR))[:-3].replace(os.sep, ".").removesuffix(
+        ".__init__")
+
+
+def _minillm_name(code) -> str | None:
+    """'minillm.cache.causal_mask' for a function of minillm outside the labs; else None."""
+    module = _minillm_module(code.co_filename)
+    return None if module is None else f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
+
+
+def _record(name: str, use: str) -> None:
+    message = f"{name} {use}"
+    if _uses is not None and message not in _uses:
+        _uses.append(message)
+
+
+@contextmanager
+def _watch_for_minillm(name: str):
+    """Record every minillm function that the learner's code calls, however it was reached (an import,
+    importlib, __import__, sys.modules): a call whose nearest caller outside the standard library and
+    torch is the learner's own code."""
+    if _uses is None:
+        yield
+        return
+    previous = sys.getprofile()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            reached = _minillm_name(frame.f_code)
+            if reached is not None and not frame.f_code.co_name.startswith("__"):  # not __init__ & co.
+                caller = frame.f_back
+                while caller is not None and not _is_learner_frame(caller.f_code.co_filename) \
+                        and _minillm_name(caller.f_code) is None and not _is_lab_frame(caller.f_code):
+                    caller = caller.f_back
+                if caller is not None and _is_learner_frame(caller.f_code.co_filename):
+                    _record(name, f"called {reached}")
+        if previous is not None:
+            previous(frame, event, arg)
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+
+
+def _is_lab_frame(code) -> bool:
+    return not code.co_filename.startswith("<") and os.path.abspath(code.co_filename).startswith(
+        _LABS_DIR + os.sep)
+
+
 def call(function: Callable, *args, **kwargs):
     """Call a learner's function; whatever it raises becomes a LearnerError with a readable message."""
     name = getattr(function, "__name__", "your function")
+    code = getattr(function, "__code__", None)
+    own = _minillm_name(code) if code is not None else None
+    if own is not None:
+        _record(name, f"is {own} itself")
     try:
-        return function(*args, **kwargs)
+        with _watch_for_minillm(name):
+            return function(*args, **kwargs)
     except NotImplementedError as exc:
         raise LearnerError(f"{name} is {NOT_WRITTEN}", not_written=True) from exc
     except LearnerError:
@@ -239,18 +355,57 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
+class OutOfTime(BaseException):
+    """A property ran past its time limit (a BaseException, so that the learner's ``except Exception``
+    does not swallow it)."""
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Raise OutOfTime in the block after ``seconds`` (and every half second after, should the learner's
+    code catch it), on the main thread of a system with SIGALRM; elsewhere no limit."""
+    usable = (seconds and seconds > 0 and hasattr(signal, "setitimer")
+              and threading.current_thread() is threading.main_thread())
+    if not usable:
+        yield
+        return
+
+    def ring(signum, frame):
+        raise OutOfTime
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 0.5)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def run_task(task: Task, functions: dict) -> Report:
-    with _one_thread():
-        return _run_task(task, functions)
+    global _uses
+    outer, _uses = _uses, []
+    try:
+        with _one_thread():
+            report = _run_task(task, functions)
+        return Report(report.task, report.lab, report.outcomes, tuple(_uses))
+    finally:
+        _uses = outer
 
 
 def _run_task(task: Task, functions: dict) -> Report:
     outcomes = []
     for prop in task.properties:
+        limit = max(TIME_LIMIT, prop.seconds or 0) if TIME_LIMIT > 0 else 0
         try:
-            prop.run(functions)
+            with time_limit(limit):
+                prop.run(functions)
+        except OutOfTime as exc:
+            where = _where(exc).replace(" (line", " (stopped at line", 1)
+            outcomes.append(Outcome(prop.name, False, f"did not finish within {limit:g} s{where}",
+                                    TIMEOUT_HINT, timed_out=True))
         except Mismatch as exc:
-            outcomes.append(Outcome(prop.name, False, str(exc), prop.hint))
+            outcomes.append(Outcome(prop.name, False, str(exc), exc.hint or prop.hint))
         except LearnerError as exc:
             outcomes.append(Outcome(prop.name, False, str(exc), prop.hint, exc.not_written))
         else:
@@ -282,6 +437,21 @@ def _collect(args: tuple, kwargs: dict) -> dict:
     return functions
 
 
+_in_grader = False  # True while the grader runs a notebook's cells: check, score and ready stay silent
+
+
+@contextmanager
+def running_notebook():
+    """While the grader runs a notebook's cells, ``check`` and ``score`` do nothing and ``ready`` says
+    False (so the payoff cells wait): the grader runs the checks once, itself."""
+    global _in_grader
+    outer, _in_grader = _in_grader, True
+    try:
+        yield
+    finally:
+        _in_grader = outer
+
+
 def grade(*functions: Callable, **named: Callable) -> list[Report]:
     """Run every task whose functions are all given; the reports, in registration order."""
     given = _collect(functions, named)
@@ -290,6 +460,8 @@ def grade(*functions: Callable, **named: Callable) -> list[Report]:
 
 def check(*functions: Callable, **named: Callable) -> None:
     """Check your functions against the hidden cases and print what passes, what fails and a hint."""
+    if _in_grader:
+        return
     try:
         reports = grade(*functions, **named)
     except ValueError as exc:
@@ -313,6 +485,8 @@ def score_table(reports: list[Report], title: str) -> str:
 
 def score(*functions: Callable, **named: Callable) -> None:
     """Print the score of every task the given functions complete (one line each) and the total."""
+    if _in_grader:
+        return
     try:
         reports = grade(*functions, **named)
     except ValueError as exc:
@@ -324,6 +498,8 @@ def score(*functions: Callable, **named: Callable) -> None:
 
 def ready(*functions: Callable) -> bool:
     """True when every task of these functions passes; otherwise say so (for the labs' payoff cells)."""
+    if _in_grader:
+        return False
     reports = grade(*functions)
     passed, total = sum(r.passed for r in reports), sum(r.total for r in reports)
     if passed == total:

@@ -15,7 +15,7 @@ from ...cache import KVCache, causal_mask
 from ...generate import generate
 from ...model import Attention, RotaryEmbedding, apply_rotary
 from ...sampling import SamplingParams, filtered_probs
-from .cases import assert_close, encode_prompt, randint, randn, show_text, tiny_model
+from .cases import assert_close, diagnose, encode_prompt, randint, randn, show_text, tiny_model
 from .checker import LearnerError, Mismatch, Property, Task, call, expect_tensor, register
 
 BHTD = ("row", "head", "position", "element")
@@ -34,6 +34,44 @@ def _attention_reference(q, k, v, positions):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(positions, k.shape[2]))
 
 
+# --- the bugs learners write, computed (each output is matched against the learner's to pick a hint) --
+
+def _rope_bug(x, positions, theta, layout="half", exponent=2.0, sign=1.0):
+    D = x.shape[-1]
+    inv_freq = theta ** (-exponent * torch.arange(D // 2, dtype=torch.float32) / D)
+    angles = sign * positions[:, None, :, None].float() * inv_freq
+    cos, sin = angles.cos(), angles.sin()
+    if layout == "interleaved":
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    a, b = x[..., : D // 2], x[..., D // 2:]
+    return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+
+
+INTERLEAVED_HINT = ("Pair element i with element i + D/2 (the rotate-half layout of LLaMA and SmolLM2), not "
+                    "with its neighbour i + 1.")
+FREQUENCY_HINT = ("Pair i turns by position * theta ** (-2i / D): the exponent counts pairs in steps of 2 "
+                  "out of D, so the last pair turns slowest.")
+DIRECTION_HINT = ("The rotation turns the wrong way: the first half becomes a cos - b sin and the second "
+                  "a sin + b cos.")
+ROW0_ROPE_HINT = "Each row has its own positions: row b turns by positions[b], not by positions[0]."
+INDEX_HINT = ("Rotate by the positions given, not by the index t along T: a decode step's one token sits "
+              "at positions[b, 0], not at 0.")
+
+
+def _rope_bugs(x, positions, theta):
+    B, T = positions.shape
+    return (
+        (INTERLEAVED_HINT, lambda: _rope_bug(x, positions, theta, layout="interleaved")),
+        (FREQUENCY_HINT, lambda: _rope_bug(x, positions, theta, exponent=1.0)),
+        (DIRECTION_HINT, lambda: _rope_bug(x, positions, theta, sign=-1.0)),
+        ("Use the theta argument in the frequencies, not a constant.",
+         lambda: _rope_bug(x, positions, 10000.0) if theta != 10000.0 else None),
+        (INDEX_HINT, lambda: _rope_bug(x, torch.arange(T).expand(B, T), theta)),
+        (ROW0_ROPE_HINT, lambda: _rope_bug(x, positions[:1].expand(B, T), theta)),
+    )
+
+
 # --- apply_rope -------------------------------------------------------------------------------------
 
 def _rope(fns, x, positions, theta=10000.0):
@@ -46,9 +84,9 @@ def _rope_shape(fns):
 
 
 def _rope_zero(fns):
-    x = randn(1, 2, 3, 8, seed=2)
-    assert_close(_rope(fns, x, torch.zeros(1, 3, dtype=torch.long)), x, "the output at position 0",
-                 dims=BHTD)
+    x, positions = randn(1, 2, 3, 8, seed=2), torch.zeros(1, 3, dtype=torch.long)
+    assert_close(_rope(fns, x, positions), x, "the output at position 0", dims=BHTD,
+                 bugs=_rope_bugs(x, positions, 10000.0))
 
 
 def _rope_length(fns):
@@ -62,14 +100,15 @@ def _rope_matches(theta):
     def run(fns):
         x, positions = randn(1, 2, 7, 16, seed=4), torch.tensor([[0, 1, 2, 3, 10, 100, 1000]])
         assert_close(_rope(fns, x, positions, theta), _rope_reference(x, positions, theta),
-                     f"the rotated vectors (theta={theta:g})", dims=BHTD)
+                     f"the rotated vectors (theta={theta:g})", dims=BHTD, bugs=_rope_bugs(x, positions, theta))
     return run
 
 
 def _rope_rows(fns):
     x, positions = randn(2, 3, 4, 8, seed=5), torch.tensor([[0, 1, 2, 3], [7, 8, 9, 10]])
     assert_close(_rope(fns, x, positions), _rope_reference(x, positions, 10000.0),
-                 "the rotated vectors of a batch whose rows sit at different positions", dims=BHTD)
+                 "the rotated vectors of a batch whose rows sit at different positions", dims=BHTD,
+                 bugs=_rope_bugs(x, positions, 10000.0))
 
 
 def _rope_relative(fns):
@@ -93,19 +132,68 @@ ROPE = Task("apply_rope", "2.1", ("apply_rope",), (
              "Each pair (a, b) turns by an angle: the new pair mixes a and b with cos and sin of the same "
              "angle; nothing is scaled.", _rope_length),
     Property("matches the rotation of LLaMA / SmolLM2 (theta 10000)",
-             "Pair element i with element i + D/2 (the rotate-half layout), not with i + 1, and give "
-             "pair i the angle position * theta ** (-2i / D).", _rope_matches(10000.0)),
+             "Check the pairs (i with i + D/2) and the angle of pair i, position * theta ** (-2i / D), on a "
+             "small case.", _rope_matches(10000.0)),
     Property("uses the theta it is given (SmolLM2 uses 100000)",
              "Use the theta argument in the frequencies, not a constant.", _rope_matches(100000.0)),
     Property("each row of a batch rotates by its own positions",
-             "positions is (B, T); give it a head dimension of size 1 so that it lines up with x's "
-             "(B, H, T, D).", _rope_rows),
+             ROW0_ROPE_HINT + " Give positions (B, T) a head dimension of size 1 so that it lines up with "
+             "x's (B, H, T, D).", _rope_rows),
     Property("q . k depends only on the distance between their positions",
              "This follows from a correct rotation: check the angle of each pair.", _rope_relative),
 ))
 
 
 # --- causal_attention --------------------------------------------------------------------------------
+
+def _attention_bug(q, k, v, positions, scale=0.5, softmax_dim=-1, mask="positions", heads="interleave",
+                   fill=float("-inf")):
+    groups = q.shape[1] // k.shape[1]
+    if heads == "interleave":
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    else:
+        k, v = k.repeat(1, groups, 1, 1), v.repeat(1, groups, 1, 1)
+    T, S = q.shape[2], k.shape[2]
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** scale
+    keys = torch.arange(S)
+    if mask == "tril":
+        visible = torch.tril(torch.ones(T, S, dtype=torch.bool))[None, None]
+    elif mask == "strict":
+        visible = keys[None, None, None, :] < positions[:, None, :, None]
+    elif mask == "row0":
+        visible = keys[None, None, None, :] <= positions[:1, None, :, None]
+    else:
+        visible = keys[None, None, None, :] <= positions[:, None, :, None]
+    scores = scores.masked_fill(~visible, fill)
+    return torch.softmax(scores, dim=softmax_dim) @ v
+
+
+SCALE_HINT = "Divide the scores q . k by sqrt(D), D = q.shape[-1], before the softmax."
+SCALE_D_HINT = "The scale is 1 / sqrt(D), not 1 / D: the scores' spread grows like sqrt(D)."
+SOFTMAX_DIM_HINT = ("Take the softmax over the keys, the last dimension of the scores (B, H, T, S); over "
+                    "dim -2 each key's weights sum to 1 instead of each query's.")
+TRIL_HINT = ("A mask from T alone (tril(ones(T, S)), or is_causal=True) lines the queries up with keys "
+             "0..T-1. The keys are indexed by position and the queries sit at positions: build the mask "
+             "from positions, so that a decode step's one query at position p sees keys 0..p, not key 0 "
+             "alone.")
+OWN_KEY_HINT = "A query sees its own key too: key j is visible to a query at position p when j <= p, not j < p."
+ROW0_MASK_HINT = ("Each row has its own positions: build the mask for every row, (B, 1, T, S), not from "
+                  "positions[0].")
+ZERO_FILL_HINT = ("A score of 0 is not hidden: after the softmax it still gets weight. Set the scores of "
+                  "hidden keys to -inf (or a very negative number).")
+REPEAT_HINT = ("Heads 0..G-1 share kv head 0, heads G..2G-1 share kv head 1 (G = H // H_kv): repeat each "
+               "kv head G times in a row (repeat_interleave), not the whole stack G times (repeat).")
+
+
+def _attention_bugs(q, k, v, positions):
+    def bug(**kw):
+        return lambda: _attention_bug(q, k, v, positions, **kw)
+    return ((SCALE_HINT, bug(scale=0.0)), (SCALE_D_HINT, bug(scale=1.0)),
+            (SOFTMAX_DIM_HINT, bug(softmax_dim=-2)), (TRIL_HINT, bug(mask="tril")),
+            (OWN_KEY_HINT, bug(mask="strict")), (ROW0_MASK_HINT, bug(mask="row0")),
+            (ZERO_FILL_HINT, bug(fill=0.0)), (REPEAT_HINT, bug(heads="repeat")),
+            (TRIL_HINT + " " + SCALE_HINT, bug(mask="tril", scale=0.0)))
+
 
 def _attend(fns, q, k, v, positions):
     originals = [t.clone() for t in (q, k, v, positions)]
@@ -121,22 +209,32 @@ def _case(b, h, h_kv, t, s, d, seed):
     return randn(b, h, t, d, seed=seed), randn(b, h_kv, s, d, seed=seed + 1), randn(b, h_kv, s, d, seed=seed + 2)
 
 
+GQA_SHAPE_HINT = ("q has H heads but k and v have H_kv: give each query head its kv head (repeat each kv "
+                  "head G = H // H_kv times along dim 1) before q @ k^T.")
+
+
 def _att_shape(fns):
     q, k, v = _case(1, 4, 2, 5, 5, 8, seed=10)
-    _attend(fns, q, k, v, torch.arange(5)[None])
+    try:
+        _attend(fns, q, k, v, torch.arange(5)[None])
+    except LearnerError as exc:
+        if isinstance(exc.__cause__, RuntimeError) and "size of tensor" in str(exc):
+            raise Mismatch(str(exc), GQA_SHAPE_HINT) from exc
+        raise
 
 
 def _att_single(fns):
     q, k, v = _case(1, 1, 1, 1, 1, 4, seed=20)
-    assert_close(_attend(fns, q, k, v, torch.tensor([[0]])), v, "the output of one query over one key",
-                 dims=BHTD)
+    positions = torch.tensor([[0]])
+    assert_close(_attend(fns, q, k, v, positions), v, "the output of one query over one key",
+                 dims=BHTD, bugs=_attention_bugs(q, k, v, positions))
 
 
 def _att_last_query(fns):
     q, k, v = _case(1, 2, 2, 1, 6, 16, seed=30)
     positions = torch.tensor([[5]])
     assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
-                 "the output of a query that sees all 6 keys", dims=BHTD)
+                 "the output of a query that sees all 6 keys", dims=BHTD, bugs=_attention_bugs(q, k, v, positions))
 
 
 def _att_causal(fns):
@@ -150,35 +248,36 @@ def _att_causal(fns):
     if bool((changed > 1e-5).any()):
         first = int((changed > 1e-5).nonzero()[0])
         raise Mismatch(f"changing the key and value at position 4 changed the output of the query at "
-                       f"position {first}")
+                       f"position {first}", diagnose(before, _attention_bugs(q, k, v, positions)))
 
 
 def _att_prefill(fns):
     q, k, v = _case(2, 2, 2, 6, 6, 8, seed=50)
     positions = torch.arange(6).expand(2, 6)
     assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
-                 "a 6-token prefill", dims=BHTD)
+                 "a 6-token prefill", dims=BHTD, bugs=_attention_bugs(q, k, v, positions))
 
 
 def _att_grouped(fns):
     q, k, v = _case(1, 6, 2, 4, 4, 8, seed=60)
     positions = torch.arange(4)[None]
     assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
-                 "6 query heads over 2 kv heads", dims=BHTD)
+                 "6 query heads over 2 kv heads", dims=BHTD, bugs=_attention_bugs(q, k, v, positions))
 
 
 def _att_decode_rows(fns):
     q, k, v = _case(2, 4, 2, 1, 6, 8, seed=70)
     positions = torch.tensor([[2], [5]])
     assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
-                 "a decode step with row 0 at position 2 and row 1 at position 5 (6 keys)", dims=BHTD)
+                 "a decode step with row 0 at position 2 and row 1 at position 5 (6 keys)", dims=BHTD,
+                 bugs=_attention_bugs(q, k, v, positions))
 
 
 def _att_chunk(fns):
     q, k, v = _case(1, 2, 1, 3, 6, 8, seed=80)
     positions = torch.tensor([[3, 4, 5]])
     assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
-                 "queries at positions 3, 4, 5 over keys 0..5", dims=BHTD)
+                 "queries at positions 3, 4, 5 over keys 0..5", dims=BHTD, bugs=_attention_bugs(q, k, v, positions))
 
 
 MASK_HINT = ("Key j is visible to a query at position p exactly when j <= p. Build the mask from "
@@ -197,9 +296,7 @@ ATTENTION = Task("causal_attention", "2.1", ("causal_attention",), (
     Property("a 6-token prefill of two sequences matches",
              "Check the scale, the softmax dimension and the mask one at a time on a small case.",
              _att_prefill),
-    Property("grouped heads: query head h reads kv head h // (H // H_kv)",
-             "Heads 0..G-1 share kv head 0, heads G..2G-1 share kv head 1 (G = H // H_kv): repeat each "
-             "kv head G times in a row, not the whole stack G times.", _att_grouped),
+    Property("grouped heads: query head h reads kv head h // (H // H_kv)", REPEAT_HINT, _att_grouped),
     Property("a decode step: rows at different positions in one batch",
              MASK_HINT, _att_decode_rows),
     Property("a chunk that continues a sequence: queries at positions 3..5 over keys 0..5",

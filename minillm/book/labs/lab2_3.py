@@ -7,8 +7,9 @@ queues, then run them together in the simulator of :mod:`minillm.book.labs.batch
 from __future__ import annotations
 
 import random
+import re
 
-from .batching import EOS, Seq, SimResult, Spec, _members, simulate
+from .batching import EOS, Seq, SimResult, Spec, _judge_eviction, _members, simulate
 from .checker import Mismatch, Property, Task, call, ready, register, wrong_value
 
 BLOCK = 4  # tokens per block in the hand-made cases
@@ -26,6 +27,16 @@ def _seq(request_id: int, prompt_len: int, output: int = 0, held: int = 0, max_t
 
 def _ids(seqs) -> list[int]:
     return [s.request_id for s in seqs]
+
+
+FCFS_HINT = ("Walk waiting from the front and stop at the first sequence that does not fit: a later, "
+             "smaller one must not overtake it (first come, first served).")
+OLDEST_HINT = "running is in order of admission, the newest last: take victims from its end, not its front."
+EVERYONE_HINT = ("Evicting everyone throws away work that could have run: evict one sequence at a time, "
+                 "newest first, and stop as soon as the others fit.")
+FREED_HINT = ("Each victim gives its blocks back: add len(victim.blocks) to the free count before asking "
+              "whether the others fit.")
+EVICTION_HINTS = {"oldest": OLDEST_HINT, "too many": EVERYONE_HINT}
 
 
 # --- finished --------------------------------------------------------------------------------------------
@@ -114,8 +125,7 @@ ADMIT = Task("admit", "2.3", ("admit",), (
              "A waiting sequence needs ceil(seq.num_tokens / block_size) blocks; subtract them from the "
              "free count as you admit.",
              _admit_case(_prompts(8, 8, 8), _busy(0), 5, 8, [0, 1], "3 prompts of 2 blocks, 5 free")),
-    Property("first come, first served: no one overtakes the head of the queue",
-             "Stop at the first sequence that does not fit, even if a later, smaller one would.",
+    Property("first come, first served: no one overtakes the head of the queue", FCFS_HINT,
              _admit_case(_prompts(4, 16, 4), _busy(0), 3, 8, [0], "prompts of 1, 4, 1 blocks, 3 free")),
     Property("a resumed sequence needs blocks for its prompt and its output so far",
              "A preempted sequence is recomputed: count seq.num_tokens, not seq.prompt_len.",
@@ -126,12 +136,19 @@ ADMIT = Task("admit", "2.3", ("admit",), (
 
 # --- preempt ---------------------------------------------------------------------------------------------
 
-def _preempt_case(running, free, expected, what):
+
+
+def _preempt_case(running, free, expected, what, diagnose=True):
     def run(fns):
         seqs = running()
         victims = _members("preempt", call(fns["preempt"], list(seqs), free, BLOCK), seqs)
         if _ids(victims) != expected:
-            raise Mismatch(f"{what}: preempt chose requests {_ids(victims)}")
+            breaks: list = []
+            _judge_eviction(0, seqs, victims, free, BLOCK, breaks)
+            hint = EVICTION_HINTS.get(breaks[0][0]) if breaks and diagnose else None
+            if hint is EVERYONE_HINT and len(victims) < len(seqs):
+                hint = None  # more than needed, not everyone: the property's own hint
+            raise Mismatch(f"{what}: preempt chose requests {_ids(victims)}", hint)
     return run
 
 
@@ -147,13 +164,12 @@ PREEMPT = Task("preempt", "2.3", ("preempt",), (
     Property("evicts the most recently admitted sequence first",
              "running is in order of admission: the newest is the last.",
              _preempt_case(_at_block_edge(3, 3, 3), 2, [2], "3 sequences needing 1 block each, 2 free")),
-    Property("evicts as many as needed, newest first, and no more",
-             "Evict one at a time from the end and check again after each.",
+    Property("evicts as many as needed, newest first, and no more", FREED_HINT,
              _preempt_case(_at_block_edge(1, 1, 1, 1), 0, [3, 2], "4 sequences holding 1 block and needing 1 more, "
-                           "0 free")),
-    Property("counts the blocks a victim frees",
-             "An evicted sequence returns all its blocks to the pool and no longer needs one.",
-             _preempt_case(_at_block_edge(1, 1, 5), 0, [2], "the newest holds 5 blocks, 3 needed, 0 free")),
+                           "0 free", diagnose=False)),
+    Property("counts the blocks a victim frees", FREED_HINT,
+             _preempt_case(_at_block_edge(1, 1, 5), 0, [2], "the newest holds 5 blocks, 3 needed, 0 free",
+                           diagnose=False)),
 ))
 
 
@@ -211,6 +227,26 @@ def _sim_preempted(fns):
                        "than a prompt needs?")
 
 
+def _sim_fcfs(fns):
+    for seed in (2, 6):
+        result = _run(fns, mixed_workload(seed=seed), TIGHT)
+        overtakes = [text for kind, text in result.policy_breaks if kind == "overtake"]
+        if overtakes:
+            raise Mismatch(f"{overtakes[0]} ({len(overtakes)} time(s) in the run)", FCFS_HINT)
+
+
+def _sim_eviction(fns):
+    result = _run(fns, mixed_workload(seed=3, arrivals=False), TIGHT)
+    if result.policy_breaks and any(kind != "overtake" for kind, _ in result.policy_breaks):
+        kind, text = next((k, t) for k, t in result.policy_breaks if k != "overtake")
+        everyone = kind == "too many" and re.search(r"evicted (\d+) of \1 ", text)
+        hint = EVICTION_HINTS[kind] if kind == "oldest" or everyone else FREED_HINT
+        count = sum(k == kind for k, _ in result.policy_breaks)
+        raise Mismatch(f"{text} ({count} time(s) in the run)", hint)
+    if result.preemptions == 0:
+        raise Mismatch("no request was preempted on a pool this tight")
+
+
 def _sim_faster(fns):
     specs = mixed_workload(seed=4, arrivals=False)
     static, continuous = _run(fns, specs, ROOMY, "static"), _run(fns, specs, ROOMY)
@@ -230,6 +266,10 @@ SCHEDULER = Task("the three rules in the simulator", "2.3", ("finished", "admit"
     Property("a tight pool, all arriving at once: preempted requests resume and finish",
              "A preempted request goes back to the queue with its output so far; admit counts it all.",
              _sim_preempted),
+    Property("a tight pool: no request starts before one that waited longer (first come, first served)",
+             FCFS_HINT, _sim_fcfs),
+    Property("a tight pool: preemption evicts the newest first, and no more than the others need",
+             EVERYONE_HINT, _sim_eviction),
     Property("continuous batching needs fewer steps than static batching on a mixed workload",
              "Continuous batching admits a waiting request in the step after one finishes.", _sim_faster),
 ))

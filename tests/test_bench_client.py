@@ -415,7 +415,7 @@ def test_a_text_only_server_is_measured_with_text_prompts(text_only, capsys):
     printed = capsys.readouterr().out
     assert "sent as text (random ids decoded with the bytes tokenizer)" in printed and "4 / 4" in printed
     assert "Output tokens                     20" in printed  # 5 each: the last chunk, with no text, counts none
-    assert "output tokens counted from: one token per chunk (no token_ids, no usage) for 4" in printed
+    assert "output tokens counted from:\n  one token per chunk (no token_ids, no usage) for 4" in printed
     assert all(isinstance(b["prompt"], str) and 8 <= len(b["prompt"]) <= 16 and b["min_tokens"] == 5
                for b in text_only.bodies)
 

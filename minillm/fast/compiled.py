@@ -36,8 +36,9 @@ class StaticCacheView:
     no host sync.
 
     keys[i], values[i]: (B, n_kv_heads, max_len, head_dim) of layer i, e.g. a
-    ``KVCache``'s ``k`` and ``v``. Written in place (their addresses never change, as a CUDA graph
-    needs). The caller keeps the lengths (``end`` does nothing), so it gives positions.
+    ``KVCache``'s ``k`` and ``v``. Written in place (their addresses never change, as a
+    CUDA graph needs). The caller keeps the lengths (``end`` does nothing), so it gives
+    positions.
     """
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor],

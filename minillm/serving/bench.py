@@ -580,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     print(result.metrics.table())
     counted = ", ".join(f"{WHAT_COUNTED[k]} for {n}" for k, n in sorted(result.counted_by.items()))
     if counted:
-        print(f"output tokens counted from: {counted} completed request(s)")
+        print(f"output tokens counted from:\n  {counted} completed request(s)")
     report_failures(result)
     if result.count_mismatches:
         print(f"{result.count_mismatches} request(s): chunks carried a different token count than usage")

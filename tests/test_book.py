@@ -10,6 +10,8 @@ import re
 import pytest
 import yaml
 
+from minillm.book.page_stats import page_stats
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
 CHAPTERS = sorted(BOOK.glob("ch*.ipynb"))
@@ -155,3 +157,28 @@ def test_source_excerpts_are_the_library_as_it_is(path):
             excerpts += 1
     if path.name.startswith("ch2_") and path.name != "ch2_4_metrics.ipynb":
         assert excerpts >= 1, f"{path.name} shows none of the library's code"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_chapter_is_within_the_reading_limits(path):
+    """Issue 19, item 4: words, cell length, claim printouts, pointers at printouts, hidden figure code,
+    one name for the source (``python -m minillm.book.page_stats`` prints the figures)."""
+    assert page_stats(path).over_limits() == {}
+
+
+SAY_CALL = re.compile(r"^\s*say\(", re.M)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_sentences_with_computed_numbers_hide_their_code_everywhere(path):
+    """A ``say(...)`` cell shows only its sentence: removed input on the web, a form on Colab, folded code in
+    plain Jupyter."""
+    for cell in _cells(path):
+        source = "".join(cell["source"])
+        if cell["cell_type"] != "code" or not SAY_CALL.search(source):
+            continue
+        meta = cell["metadata"]
+        assert "remove-input" in meta.get("tags", []), source[:80]
+        assert meta.get("cellView") == "form" and source.startswith("#@title"), source[:80]
+        assert meta.get("jupyter", {}).get("source_hidden") is True, source[:80]
+        assert any("text/markdown" in out.get("data", {}) for out in cell.get("outputs", [])), source[:80]

@@ -11,7 +11,8 @@ import matplotlib
 import pytest
 
 from minillm import KVCache, generate
-from minillm.book.notebook import WIDTH, ClaimFailed, claim, show_source, use_book_style, which_case
+from minillm.book.notebook import WIDTH, ClaimFailed, claim, say, show_source, use_book_style, which_case
+from minillm.book.page_stats import claim_lines, page_stats
 
 
 def test_a_claim_that_holds_is_one_line_with_its_evidence(capsys):
@@ -90,3 +91,32 @@ def test_use_book_style_sets_readable_sizes():
     use_book_style()
     assert matplotlib.rcParams["font.size"] >= 10 and matplotlib.rcParams["legend.fontsize"] >= 9
     assert matplotlib.rcParams["figure.figsize"][0] <= 8
+
+
+def test_say_renders_its_sentence_as_markdown():
+    shown = say("""
+        An 80 GiB GPU holds **66** requests.
+    """)
+    assert shown._repr_markdown_() == "An 80 GiB GPU holds **66** requests."
+
+
+def test_page_stats_counts_wrapped_claim_lines_and_prose(tmp_path):
+    import json
+
+    printed = ["PASS: a claim that wraps", "      onto a second line", "an ordinary line",
+               "question: which?", "here:     this one", "  indented but not a claim"]
+    notebook = {"cells": [
+        {"cell_type": "markdown", "metadata": {}, "source": "The documents say three words.\n\n```\nnot prose\n```"},
+        {"cell_type": "markdown", "metadata": {}, "source": "<details>folded words here</details> two words"},
+        {"cell_type": "code", "metadata": {}, "source": "", "outputs": [
+            {"output_type": "stream", "name": "stdout", "text": "\n".join(printed) + "\n"},
+            {"output_type": "display_data", "data": {"image/png": "", "text/plain": "<Figure>"}}]},
+    ]}
+    path = tmp_path / "ch.ipynb"
+    path.write_text(json.dumps(notebook))
+    stats = page_stats(path)
+    assert claim_lines(printed) == 4
+    assert stats.claim_line_share == round(4 / 6, 3)
+    assert stats.prose_words == 5 + 5 and stats.longest_cell_words == 5
+    assert stats.other_source_names == 1 and stats.figure_code_shown == 1
+    assert set(stats.over_limits()) == {"claim_line_share", "figure_code_shown", "other_source_names"}

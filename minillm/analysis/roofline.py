@@ -23,8 +23,6 @@ from .arithmetic import bandwidth_utilisation, decode_bytes, decode_flops, prefi
 
 Clock = Callable[[torch.device], float]
 
-# The GPU the source documents size their examples for (NVIDIA A100 80 GB SXM, datasheet).
-
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
                 device: torch.device | str | None = None, clock: Clock = now) -> float:

@@ -2,6 +2,7 @@
 
 A100_PEAK_FLOPS = 312e12  # FLOP/s: dense float16/bfloat16 on the tensor cores
 A100_BANDWIDTH = 2.039e12  # bytes/s: HBM2e
+A100_MEMORY = 80 * 2**30  # bytes: sold as "80GB", it holds 80 GiB (nvidia-smi: 81,920 MiB)
 
 
 EVAL_TEXT = (

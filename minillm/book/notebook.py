@@ -70,6 +70,19 @@ def which_case(question: str, cases: dict[str, bool], evidence: str) -> str | No
     return holding[0]
 
 
+def say(text: str):
+    """A sentence with computed numbers, as Markdown that every renderer shows as prose.
+
+    The chapters never type a measured or derived number into a markdown cell: a cell computes it and ends
+    with ``say(f"... {value:,} ...")``. Such a cell is marked so that only its sentence shows: the tag
+    ``remove-input`` on the web book, ``cellView: form`` with a ``#@title`` first line on Colab and
+    ``jupyter.source_hidden`` in plain Jupyter (tests/test_book.py checks all three).
+    """
+    from IPython.display import Markdown
+
+    return Markdown(textwrap.dedent(text).strip())
+
+
 class SourceExcerpt:
     """A function or class of minillm as it is in the library right now, rendered as a code block."""
 

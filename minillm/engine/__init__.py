@@ -5,9 +5,9 @@ from .config import EngineConfig
 from .engine import Engine, EngineLoad, RunResult, StepRecord
 from .model_runner import ModelRunner
 from .paged_cache import MixedStepView, PagedCacheView, PagedKVPool
-from .request import Request, RequestRecord, Sequence, Status, StepOutput
+from .request import Request, RequestRecord, Sequence, Status, StepOutput, TokenLogprob
 from .scheduler import POLICIES, Scheduler
 
 __all__ = ["BlockManager", "Engine", "EngineConfig", "EngineLoad", "MixedStepView", "ModelRunner", "POLICIES",
            "PagedCacheView", "PagedKVPool", "Request", "RequestRecord", "RunResult", "Scheduler", "Sequence",
-           "Status", "StepOutput", "StepRecord", "block_key", "blocks_for"]
+           "Status", "StepOutput", "StepRecord", "TokenLogprob", "block_key", "blocks_for"]

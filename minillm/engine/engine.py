@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -13,7 +13,7 @@ from .block_manager import BlockManager, blocks_for
 from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, kv_tokens_needed
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVPool
-from .request import Request, RequestRecord, Sequence, StepOutput
+from .request import Request, RequestRecord, Sequence, StepOutput, TokenLogprob
 from .scheduler import Scheduler, StepPlan
 
 __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "Engine", "EngineLoad", "RunResult", "StepRecord"]
@@ -174,7 +174,8 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """Schedule, run the model once (mixed) or per batch (separate), sample, and report.
+        """Schedule, run the model once (mixed) or per batch (separate), sample (and take the log-probs of
+        the requests that ask, ``Request.logprobs``), and report.
 
         Returns one ``StepOutput`` per request that got a token (the finished ones say so); an empty
         list when nothing is waiting or running. The step's ``StepRecord`` is in ``last_step``.
@@ -189,6 +190,9 @@ class Engine:
         n_waiting, blocks_used = len(self.scheduler.waiting), self._blocks_in_tables()
         logits, calls = self.runner.run(plan)  # (len(plan.sampled), vocab)
         tokens, failed = self._sample(plan.sampled, logits, self.model.config.vocab_size)
+        logprobs = [token_logprobs(row, token, s.request.logprobs)  # only for the requests that ask
+                    if s.request.logprobs is not None and s not in failed else None
+                    for s, row, token in zip(plan.sampled, logits, tokens)]
         end = self.clock()  # the tokens are ready: the step's end, read once
         if failed:  # those requests alone end (aborted, reason "error"); the step goes on for the others
             for seq, error in failed.items():
@@ -200,8 +204,9 @@ class Engine:
             plan = StepPlan([s for s in plan.decode if s not in failed],
                             [(s, n) for s, n in plan.prefill if s not in failed], plan.padding, plan.preempted,
                             plan.cached_tokens)
-            tokens = [tokens[i] for i in kept]
-        outputs = self.scheduler.postprocess(plan, tokens, end)
+            tokens, logprobs = [tokens[i] for i in kept], [logprobs[i] for i in kept]
+        outputs = self.scheduler.postprocess(plan, tokens, end)  # one per plan.sampled, in that order
+        outputs = [out if lp is None else replace(out, logprobs=[lp]) for out, lp in zip(outputs, logprobs)]
         for out in outputs:
             if out.finished:
                 del self._live[out.request_id]
@@ -320,3 +325,11 @@ class Engine:
                 failed[s], token = error, -1
             tokens.append(token)
         return tokens, failed
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """``token``'s log-prob and the ``k`` most likely tokens' under the raw distribution ``logits`` (V,) stand
+    for (before temperature, top-k, top-p: vLLM's default), in float32."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (V,)
+    top = torch.topk(logprobs, min(k, logprobs.numel()))  # sorted, most likely first
+    return TokenLogprob(token, float(logprobs[token]), list(zip(top.indices.tolist(), top.values.tolist())))

@@ -27,6 +27,7 @@ class Request:
     ignore_eos: bool = False
     arrival_time: float = 0.0
     seed: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, (int, str)) or isinstance(self.request_id, bool):
@@ -41,6 +42,8 @@ class Request:
             raise TypeError(f"sampling={self.sampling!r} must be a SamplingParams")
         check_number("arrival_time", self.arrival_time, inclusive=True)
         check_seed("seed", self.seed)
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, minimum=0, hint="None computes none")
 
 
 class Status(str, Enum):
@@ -81,6 +84,17 @@ class RequestRecord:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the most likely tokens at its position, under the model's own
+    distribution: ``log_softmax`` of its logits in float32, before temperature, top-k and top-p (what vLLM
+    returns by default). Greedy, the chosen token is the first of ``top``."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-prob) of the ``Request.logprobs`` most likely, most likely first
+
+
+@dataclass(frozen=True)
 class StepOutput:
     """What one engine step produced for one request (``Engine.step`` returns one per request that
     got a token; a request whose prompt chunk did not reach its end gets none that step)."""
@@ -90,6 +104,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None  # "eos" or "max_tokens" once finished, else None
     time: float  # seconds on the engine's clock when the tokens were ready
+    logprobs: list[TokenLogprob] | None = None  # one per new token, if the request asked (``Request.logprobs``)
 
 
 class Sequence:

@@ -182,3 +182,18 @@ def test_sentences_with_computed_numbers_hide_their_code_everywhere(path):
         assert meta.get("cellView") == "form" and source.startswith("#@title"), source[:80]
         assert meta.get("jupyter", {}).get("source_hidden") is True, source[:80]
         assert any("text/markdown" in out.get("data", {}) for out in cell.get("outputs", [])), source[:80]
+
+
+def test_citations_link_to_entries_and_every_entry_is_cited():
+    """A page cites ``[Author, year](#ref-key)``; references.md lists only what some page cites."""
+    entries = set(re.findall(r"^\(ref-([\w-]+)\)=$", (BOOK / "references.md").read_text(encoding="utf-8"), re.M))
+    cited = set()
+    for page in [*BOOK.glob("*.md"), *NOTEBOOKS]:
+        if page.name == "references.md":
+            continue
+        text = page.read_text(encoding="utf-8")
+        dated_link = re.search(r"\[[^\]]*\d{4}[^\]]*\]\(references\.md\)", text)
+        assert not dated_link, f"{page.name}: {dated_link and dated_link[0]} links to the top of references.md"
+        cited |= set(re.findall(r"\]\(#ref-([\w-]+)\)", text))
+    assert cited - entries == set(), f"cited but not in references.md: {cited - entries}"
+    assert entries - cited == set(), f"listed in references.md but cited nowhere: {entries - cited}"

@@ -3,18 +3,23 @@ fake clock), failures are counted, and on a real minillm server the client's num
 own plus the HTTP time the client measures."""
 import asyncio
 import json
+import threading
 import time
 
 import httpx
 import pytest
+import uvicorn
 from test_server import server  # noqa: F401  (the fixture: a tiny-model server on 127.0.0.1)
 
 from minillm.analysis.metrics import SLO, e2e_latency, itls, tpot, ttft
-from minillm.engine import Request
+from minillm.engine import Engine, Request, RequestRecord, Status
 from minillm.engine.workload import poisson_arrivals, random_requests
 from minillm.sampling import SamplingParams
 from minillm.serving import bench as bench_client
+from minillm.serving.app import RECORDS_PAGE_MAX, create_app
 from minillm.serving.bench import compare_with_engine, fetch_engine_records, main, parse_slo, payload, run_benchmark
+from minillm.serving.launch import free_port
+from minillm.text.byte import ByteTokenizer
 
 
 class FakeClock:
@@ -457,3 +462,31 @@ def test_output_tokens_can_be_counted_from_usage():
     assert short.token_times == pytest.approx([0.24, 0.25, 0.25])
     assert (by_chunks.metrics.output_tokens, by_usage.metrics.output_tokens) == (8, 9)
     assert by_usage.to_json()["counted_by"] == {"usage": 3}
+
+
+def test_engine_records_are_read_from_every_page(tiny_model):
+    """More records than one page of ``/minillm/requests`` (the real endpoint, on a thread of this process):
+    every finished one is read, the aborted ones left out."""
+    app = create_app(ByteTokenizer(), Engine(tiny_model, num_blocks=4), "tiny")
+    n = 2 * RECORDS_PAGE_MAX + 500
+    app.state.engine_loop.records.extend(
+        RequestRecord(f"cmpl-{i}", Status.ABORTED if i % 7 == 0 else Status.FINISHED, "max_tokens", 3, [1, 2],
+                      float(i), [i + 0.25, i + 0.5], i + 0.5, 0) for i in range(n))
+    port = free_port()
+    http_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=http_server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not http_server.started and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert http_server.started
+        records = fetch_engine_records(f"http://127.0.0.1:{port}/v1")
+    finally:
+        http_server.should_exit = True
+        thread.join(30)
+    finished = [i for i in range(n) if i % 7]
+    assert sorted(records, key=lambda r: int(r.split("-")[1])) == [f"cmpl-{i}" for i in finished]
+    first, last = records["cmpl-1"], records[f"cmpl-{finished[-1]}"]
+    assert (first.arrival_time, first.token_times, first.prompt_len) == (1.0, [1.25, 1.5], 3)
+    assert last.token_times == [finished[-1] + 0.25, finished[-1] + 0.5]

@@ -143,7 +143,7 @@ BAD_REQUESTS = [  # (path, body: dict, or bytes sent as they are), status, param
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "n": 2}, 400, "n", "not supported"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop",
      "at most 4 stop strings"),
-    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "logprobs": 2}, 400, "logprobs", "not supported"),
+    ("/v1/completions", {"model": "tiny", "prompt": "Hi", "logprobs": 6}, 400, "logprobs", "between 0 and 5"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "stream_options": {"include_usage": True}}, 400, None,
      "only allowed when stream is true"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages", "at least 1"),

@@ -87,22 +87,21 @@ def test_seeds_at_the_ends_of_the_range_are_served(server, seed):  # noqa: F811
     greedy_completion(server, temperature=1.0, seed=seed)
 
 
-# D9, D10: fields the server cannot honour were silently ignored, and n: true / logprobs: 0.0 passed as neutral.
+# D9, D10: fields the server cannot honour were silently ignored, and n: true passed as neutral (logprobs, now
+# implemented: test_logprobs.py).
 @pytest.mark.parametrize("field, value", [
     ("stop_token_ids", [5]), ("min_tokens", 2), ("repetition_penalty", 1.2), ("functions", [{"name": "f"}]),
     ("function_call", "auto"), ("function_call", {"name": "f"}), ("min_p", 0.1),
-    ("n", True), ("n", 1.0), ("logprobs", 0.0), ("logprobs", True), ("frequency_penalty", False),
+    ("n", True), ("n", 1.0), ("frequency_penalty", False),
 ])
 def test_fields_the_server_cannot_honour_are_refused_by_name(server, field, value):  # noqa: F811
     for path, body in [("/v1/completions", {"model": "tiny", "prompt": "Hi"}),
                        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]})]:
-        if (field, value) == ("logprobs", True) and path == "/v1/completions":
-            continue  # completions' logprobs is a count: true is refused too, checked below
         error = refusal(post(server, path, body | {field: value, "max_tokens": 1}))
         assert error["param"] == field and "not supported" in error["message"]
 
 
-@pytest.mark.parametrize("extra", [{"n": 1}, {"logprobs": 0}, {"logprobs": False}, {"stop_token_ids": []},
+@pytest.mark.parametrize("extra", [{"n": 1}, {"logprobs": None}, {"logprobs": False}, {"stop_token_ids": []},
                                    {"repetition_penalty": 1.0}, {"presence_penalty": 0.0}, {"functions": None}])
 def test_neutral_values_of_those_fields_are_accepted(server, extra):  # noqa: F811
     greedy_completion(server, **extra)

@@ -370,16 +370,17 @@ def test_a_stop_string_ends_the_text_before_it(plain, chat, stream):
     assert (record["status"], record["reason"]) == ("finished", "stop") and record["completion_tokens"] < 40
 
 
-def test_stop_is_checked_and_logprobs_are_refused_by_name(plain):
+def test_stop_and_logprobs_are_checked_by_name(plain):
     for extra, param, words in (({"stop": ["a"] * 5}, "stop", "at most 4"), ({"stop": [""]}, "stop", "1 to 256"),
-                                ({"logprobs": 2}, "logprobs", "not supported")):
+                                ({"logprobs": 6}, "logprobs", "between 0 and 5")):
         response = httpx.post(f"{plain.url}/completions", json={"model": "tiny", "prompt": "Hi"} | extra,
                               timeout=TIMEOUT)
         assert response.status_code == 400 and response.json()["error"]["param"] == param
         assert words in response.json()["error"]["message"]
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 21}
     response = httpx.post(f"{plain.url}/chat/completions", json=chat, timeout=TIMEOUT)
-    assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+    assert "between 0 and 20" in response.json()["error"]["message"]
 
 
 # ---- item 6 (D12): backpressure and slow clients ----------------------------------------------------------------

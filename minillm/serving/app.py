@@ -5,6 +5,7 @@ A request's life: bytes -> validated body (``protocol``) -> prompt token ids -> 
 (a request that can never fit is refused with 400 here, never queued) -> ``EngineLoop.submit`` -> one
 ``StepOutput`` per token -> incremental detokenization -> one server-sent event per token (or one JSON
 body at the end). A client that leaves mid-request has its request aborted, which frees its KV blocks.
+A request that asks for log-probs (``protocol``'s docstring) gets them from the engine with each token.
 
 Limits (``ServerLimits``, set by ``serve``'s flags): a body larger than ``max_body_bytes`` is a 413, a body
 not received within ``body_timeout`` a 408; a prompt that cannot fit the context is refused from its length
@@ -28,7 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
-from ..engine import Engine, Request
+from ..engine import Engine, Request, TokenLogprob
 from ..text.byte import ByteTokenizer
 from ..text.stream import TextStream
 from .loop import EngineLoop
@@ -125,6 +126,29 @@ async def read_body(http: HTTPRequest, limit: int, timeout: float) -> bytes:
     return b"".join(chunks)
 
 
+def token_label(tokenizer, token_id: int) -> tuple[str, bytes]:
+    """(a token's text, its bytes), for log-probs: the text where the bytes are whole UTF-8, else OpenAI's
+    ``bytes:\\xe4\\xbd`` (a piece of a character); a special token by its name."""
+    if isinstance(tokenizer, ByteTokenizer):
+        raw = bytes([token_id]) if token_id < 256 else tokenizer.token_strings([token_id])[0].encode()
+    else:
+        raw = tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8"), raw
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def decode_with_offsets(text_stream: TextStream, ids: list[int], start: int) -> tuple[str, list[int]]:
+    """(the text ``ids`` complete, where the text each of them completes begins): ``start`` characters came
+    before them (a piece of a character completes no text: its text is "", where the text stands)."""
+    text, offsets = "", []
+    for token_id in ids:
+        offsets.append(start + len(text))
+        text += text_stream.push(token_id)
+    return text, offsets
+
+
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The model's chat template; a tokenizer without one (the tiny model's) gets ``role: content`` lines."""
     if getattr(tokenizer, "chat_template", None):
@@ -202,7 +226,7 @@ class Frontend:
     def engine_request(self, body: SamplingRequest, shape: Shape, prompt_ids: list[int], max_tokens: int) -> Request:
         """The engine's request, or ApiError(400) when the engine could never serve it."""
         request = Request(f"{shape.id_prefix}{uuid.uuid4().hex}", prompt_ids, max_tokens, sampling=body.sampling(),
-                          ignore_eos=body.ignore_eos, seed=body.seed)
+                          ignore_eos=body.ignore_eos, seed=body.seed, logprobs=body.logprob_count)
         reason = self.loop.engine.rejection(request)  # reads only constants (config, pool size): thread-safe
         if reason is not None:
             in_prompt = reason.startswith(("empty", "token id")) or len(prompt_ids) >= self.max_total
@@ -247,6 +271,12 @@ class Frontend:
                                      media_type="text/event-stream", background=BackgroundTask(release))
         return await self.whole(http, body, shape, request, received)
 
+    def logprobs(self, shape: Shape, out_logprobs: list[TokenLogprob] | None, text_offsets: list[int]) -> dict | None:
+        """A choice's ``logprobs`` (None when the request asked for none)."""
+        if out_logprobs is None:
+            return None
+        return shape.logprobs(out_logprobs, text_offsets, lambda token_id: token_label(self.tokenizer, token_id))
+
     def envelope(self, shape: Shape, request_id: str, created: int, choices: list, stream: bool, **extra) -> dict:
         return {"id": request_id, "object": shape.chunk_object if stream else shape.full_object, "created": created,
                 "model": self.model_name, "choices": choices, **extra}
@@ -254,7 +284,7 @@ class Frontend:
     async def events(self, body: SamplingRequest, shape: Shape, request: Request, received: float, release=None):
         """The server-sent events of one request: a chunk per token, then usage if asked, then [DONE]; an
         error event and [DONE] if it fails. The request reaches the engine when the response starts streaming."""
-        created, text_stream, n_out = int(time.time()), TextStream(self.tokenizer), 0
+        created, text_stream, n_out, produced = int(time.time()), TextStream(self.tokenizer), 0, 0
         stops = StopText(body.stop_strings) if body.stop_strings else None
         if release is not None:
             release()  # the stream counts itself in flight from here
@@ -266,8 +296,9 @@ class Frontend:
                 yield sse(self.envelope(shape, request.request_id, created, [shape.choice("", None, True, role=True)],
                                         True, **null_usage, **prompt_ids))
             async for out in stream:
-                text = "".join(text_stream.push(t) for t in out.new_token_ids)
+                text, offsets = decode_with_offsets(text_stream, out.new_token_ids, produced)
                 text += text_stream.flush() if out.finished else ""
+                produced += len(text)
                 finish = FINISH_REASONS.get(out.finish_reason)
                 if stops is not None:
                     text, stopped = stops.push(text)
@@ -275,7 +306,7 @@ class Frontend:
                         finish = "stop"
                     elif out.finished:
                         text += stops.flush()
-                choice = shape.choice(text, finish, True)
+                choice = shape.choice(text, finish, True, logprobs=self.logprobs(shape, out.logprobs, offsets))
                 if body.return_token_ids:
                     choice["token_ids"] = out.new_token_ids
                     if n_out == 0 and not shape.chat:
@@ -330,10 +361,15 @@ class Frontend:
             return JSONResponse({}, status_code=499)  # the client left: nobody is listening
         outputs, stopped = collecting.result()  # re-raises an engine failure
         ids = [t for out in outputs for t in out.new_token_ids]
+        logprobs = None
+        if request.logprobs is not None:
+            _, offsets = decode_with_offsets(TextStream(self.tokenizer), ids, 0)
+            logprobs = self.logprobs(shape, [lp for out in outputs for lp in out.logprobs], offsets)
         if stopped:
-            choice = shape.choice("".join(stopped_text), "stop", False)
+            choice = shape.choice("".join(stopped_text), "stop", False, logprobs=logprobs)
         else:
-            choice = shape.choice(self.tokenizer.decode(ids), FINISH_REASONS.get(outputs[-1].finish_reason), False)
+            choice = shape.choice(self.tokenizer.decode(ids), FINISH_REASONS.get(outputs[-1].finish_reason), False,
+                                  logprobs=logprobs)
         extra = {}
         if body.return_token_ids:
             choice["token_ids"] = ids

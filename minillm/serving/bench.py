@@ -396,13 +396,22 @@ def list_models(url: str, timeout: float = 10.0) -> list[str]:
 
 # ---- minillm servers: the engine's own timestamps of the same requests ---------------------------------
 def fetch_engine_records(url: str, timeout: float = 10.0) -> dict[str, RequestTiming]:
-    """A minillm server's records of its latest finished requests (``GET /minillm/requests``), by response
-    id. Times are on the engine's clock: only differences of them compare with the client's."""
-    base = url.rstrip("/").removesuffix("/v1")
-    response = httpx.get(f"{base}/minillm/requests", timeout=timeout)
-    response.raise_for_status()
-    return {r["id"]: RequestTiming(r["arrival_time"], r["token_times"], r["prompt_tokens"])
-            for r in response.json()["requests"] if r["status"] == "finished"}
+    """A minillm server's records of its latest finished requests (``GET /minillm/requests``, every page:
+    each reply's ``next_offset`` asks for the page of older records, null after the oldest kept), by
+    response id. Times are on the engine's clock: only differences of them compare with the client's."""
+    base, records, offset = url.rstrip("/").removesuffix("/v1"), {}, 0
+    while offset is not None:
+        response = httpx.get(f"{base}/minillm/requests", params={"offset": offset}, timeout=timeout)
+        response.raise_for_status()
+        page = response.json()
+        records |= {r["id"]: RequestTiming(r["arrival_time"], r["token_times"], r["prompt_tokens"])
+                    for r in page["requests"] if r["status"] == "finished"}
+        next_offset = page.get("next_offset")
+        if next_offset is not None and (not isinstance(next_offset, int) or next_offset <= offset):
+            raise ValueError(f"/minillm/requests answered next_offset={next_offset!r} to offset={offset}: "
+                             "the pages would never end")
+        offset = next_offset
+    return records
 
 
 @dataclass(frozen=True)

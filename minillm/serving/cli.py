@@ -2,12 +2,17 @@
 
     python -m minillm serve                          # SmolLM2-135M-Instruct on http://127.0.0.1:8000/v1
     python -m minillm serve --model tiny --port 8001  # the random-weight tiny model (tests, load sweeps)
+    python -m minillm serve --precision int4          # SmolLM2's own 4-bit weights from its GGUF file
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming with server-sent
 events or not), ``GET /v1/models``, ``GET /health`` (with the engine's load) and ``GET /minillm/requests``
 (the engine's records of the latest finished requests). FastAPI + uvicorn is the stack vLLM's own
 OpenAI-compatible server is built on: an asyncio server that holds thousands of open streams cheaply,
 with request validation and streaming responses built in. The code is in ``minillm.serving``.
+
+``--precision {float32,bfloat16,int8,int4}`` picks the weights as in ``python -m minillm``
+(``minillm.fast.quant.load_precision``): int4 is the GGUF file's own 4-bit weights, so the tiny model,
+which has no file, takes float32, bfloat16 or int8 (its random weights made into that variant).
 
 Limits (flags, see ``--help``): a request body of at most ``--max-body-bytes`` (413), received within
 ``--body-timeout`` (408); request headers within ``--header-timeout`` (the connection is closed);
@@ -35,8 +40,10 @@ import torch
 from ..device import DEVICE_NAMES, DTYPES, resolve_device, resolve_dtype
 from ..engine import Engine, EngineConfig
 from ..engine.config import DEFAULT_TOKENS_PER_SEQUENCE
+from ..fast.quant import PRECISIONS, load_precision, make_variant
 
 MODELS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "tiny": "tiny"}  # --model -> the name served
+PRETRAINED = "smollm2-135m-instruct"
 NOT_INSTALLED = 3
 PORT_IN_USE = 4
 DEFAULT_HEADER_TIMEOUT = 10.0  # s for a connection to send its request's headers
@@ -54,7 +61,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="default 8000")
     parser.add_argument("--device", choices=DEVICE_NAMES, default="auto", help="default: auto (CUDA if present)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="default: float32")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default=None,
+                        help="the weights: float32, bfloat16, int8 (weight-only) or int4 (smollm2 only: the GGUF "
+                             "file's own 4-bit weights); instead of --dtype")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random weights (default 0)")
     parser.add_argument("--max-batch-size", type=int, default=8, help="most requests running at once (default 8)")
@@ -83,6 +93,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="exit when standard input closes (minillm.serving.launch_server uses it, so that "
                              "a server never outlives the notebook or test that started it)")
     args = parser.parse_args(argv)
+    if args.precision is not None and args.dtype is not None:
+        parser.error(f"give --precision or --dtype, not both (--precision {args.precision} sets the dtype)")
+    if args.precision == "int4" and args.model == "tiny":
+        parser.error("--precision int4 is the GGUF file's own 4-bit weights, and the tiny model has no file: use "
+                     "--model smollm2, or --precision float32, bfloat16 or int8")
+    if args.precision is None and args.dtype is None:
+        args.dtype = "float32"
     limits = (("--port", args.port, 0, 65535), ("--threads", args.threads, 1, None),
               ("--max-batch-size", args.max_batch_size, 1, None), ("--num-blocks", args.num_blocks, 1, None),
               ("--block-size", args.block_size, 1, None), ("--max-body-bytes", args.max_body_bytes, 1, None),
@@ -137,18 +154,28 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def load(args: argparse.Namespace):
-    """(model, tokenizer, description) for ``--model``."""
-    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype)
+    """(model, tokenizer, description) for ``--model`` in ``--dtype`` or ``--precision``."""
+    device, dtype = resolve_device(args.device), resolve_dtype(args.dtype or "float32")
     if args.model == "tiny":
         from ..model import build_model
         from ..text.byte import ByteTokenizer
 
         model = build_model("tiny", device=device, dtype=dtype, seed=args.seed)
+        if args.precision not in (None, "float32"):
+            model = make_variant(model, args.precision)  # int4 was refused by parse_args: no GGUF file
         return model, ByteTokenizer(), f"the tiny model with RANDOM weights (seed {args.seed})"
-    from ..checkpoints.pretrained import load_pretrained
+    if args.precision is None:
+        from ..checkpoints.pretrained import load_pretrained
 
-    model, tokenizer = load_pretrained("smollm2-135m-instruct", device=device, dtype=dtype)
+        model, tokenizer = load_pretrained(PRETRAINED, device=device, dtype=dtype)
+    else:
+        model, tokenizer = load_precision(PRETRAINED, args.precision, device)
     return model, tokenizer, "SmolLM2-135M-Instruct"
+
+
+def weights_text(args: argparse.Namespace) -> str:
+    """``float32`` (the dtype), or ``precision int8`` and what it means on a line of its own."""
+    return f"precision {args.precision}\n  weights: {PRECISIONS[args.precision]}" if args.precision else args.dtype
 
 
 def engine_config(args: argparse.Namespace, eos_token_id: int | None) -> EngineConfig:
@@ -266,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     num_blocks = engine.blocks.num_blocks
     name = args.served_model_name or MODELS[args.model]
-    print(f"minillm serve: {description} as {name!r} on {model.device.type}, {args.dtype}, "
-          f"{torch.get_num_threads()} thread(s)\n  KV pool: {num_blocks} blocks x {args.block_size} tokens "
+    print(f"minillm serve: {description} as {name!r} on {model.device.type}, "
+          f"{torch.get_num_threads()} thread(s), {weights_text(args)}\n"
+          f"  KV pool: {num_blocks} blocks x {args.block_size} tokens "
           f"({engine.pool.nbytes / 1e6:.0f} MB); at most {args.max_batch_size} requests running; "
           f"context {config.max_seq_len} tokens\n  OpenAI API at http://{args.host}:{args.port}/v1", flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -2,12 +2,22 @@
 
 Field names and defaults follow OpenAI's API; ``top_k``, ``ignore_eos`` and ``return_token_ids`` are the
 extensions vLLM accepts under the same names. Unknown fields are ignored (as vLLM does); known fields
-this server cannot honour (``logprobs``, ``n > 1``, penalties, ...) are refused by name. ``stop`` (up to
+this server cannot honour (``n > 1``, penalties, ...) are refused by name. ``stop`` (up to
 ``MAX_STOP`` strings) is implemented: the text ends before the first one generated, finish_reason "stop".
+
+Log-probs: ``/v1/completions`` takes ``logprobs: N`` (0 to ``MAX_LOGPROBS``), ``/v1/chat/completions``
+``logprobs: true`` and ``top_logprobs: K`` (0 to ``MAX_TOP_LOGPROBS``), OpenAI's limits; each choice (and
+each streamed chunk, for the tokens it carries) then holds each token's log-prob and the N (K) most likely
+tokens at its position, in OpenAI's shape for that endpoint (with a stop string: every token generated,
+though the text ends before the stop string). As in vLLM (its default), they are log-probs
+of the model's raw distribution, ``log_softmax`` of its logits, before temperature, top-k and top-p: what
+the model thinks of the token, whatever the sampler then did. A log-prob of -inf is sent as -9999.0 (JSON
+has no infinity), as OpenAI and vLLM do.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import (
@@ -18,20 +28,23 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from ..engine import TokenLogprob
 from ..sampling import SamplingParams
 from ..validate import check_seed
 
 FINISH_REASONS = {"eos": "stop", "max_tokens": "length"}  # engine -> OpenAI
 MAX_STOP, MAX_STOP_CHARS = 4, 256  # stop strings: at most 4 (as OpenAI), each at most this long
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20  # OpenAI's limits: completions' logprobs, chat's top_logprobs
+NO_LOGPROB = -9999.0  # sent for a log-prob of -inf (or NaN), as OpenAI and vLLM do
 # Fields this server does not implement, and the values that mean "not used" (accepted). A value must equal
 # one of them with the same JSON type: ``n: true`` or ``logprobs: 0.0`` is refused, not read as 1 or 0.
-UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "logprobs": (None, False, 0),
-               "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
                "tools": (None, []), "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
                "functions": (None, []), "function_call": (None, "none"),  # OpenAI's legacy names for tools
@@ -130,12 +143,35 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def logprob_count(self) -> int | None:
+        """How many most likely tokens to return with each token's log-prob; None: no log-probs."""
+        return None
+
 
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt, as text or as token ids."""
 
     prompt: str | list[int]
     max_tokens: StrictInt = Field(DEFAULT_COMPLETION_TOKENS, ge=1)
+    logprobs: StrictInt | None = None  # each token's log-prob and the N most likely, N <= MAX_LOGPROBS
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_none(cls, value):
+        return None if value is False else value  # false: not used (true is no count: refused)
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_in_range(cls, value):
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"must be between 0 and {MAX_LOGPROBS} (OpenAI's limit on the most likely tokens "
+                             "returned with each token)")
+        return value
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -185,6 +221,21 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    logprobs: StrictBool = False  # each token's log-prob ...
+    top_logprobs: StrictInt | None = None  # ... and the K most likely, K <= MAX_TOP_LOGPROBS
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_in_range(cls, value, info: ValidationInfo):
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"must be between 0 and {MAX_TOP_LOGPROBS} (OpenAI's limit)")
+        if value and not info.data.get("logprobs"):  # as vLLM: 0 without logprobs means not used
+            raise ValueError("needs logprobs: true (the log-probs of the tokens it ranks)")
+        return value
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
@@ -232,15 +283,41 @@ class Shape:
         self.full_object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
-    def choice(self, text: str | None, finish_reason: str | None, stream: bool, role: bool = False) -> dict:
-        """Choice 0 of a response (``stream=False``) or of a chunk; ``role``: the chat stream's first chunk."""
+    def choice(self, text: str | None, finish_reason: str | None, stream: bool, role: bool = False,
+               logprobs: dict | None = None) -> dict:
+        """Choice 0 of a response (``stream=False``) or of a chunk; ``role``: the chat stream's first chunk;
+        ``logprobs``: from ``self.logprobs``."""
         if not self.chat:
             body = {"text": text}
         elif stream:
             body = {"delta": ({"role": "assistant"} if role else {}) | ({} if text is None else {"content": text})}
         else:
             body = {"message": {"role": "assistant", "content": text}}
-        return {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def logprobs(self, tokens: list[TokenLogprob], text_offsets: list[int],
+                 label: Callable[[int], tuple[str, bytes]]) -> dict:
+        """A choice's ``logprobs`` for ``tokens`` (a whole reply, or the tokens of one chunk). Completions:
+        OpenAI's parallel lists (``text_offset``: where in the reply the text each token completed begins,
+        so token i's text is ``text[text_offset[i]:text_offset[i + 1]]``, "" for a piece of a character); chat:
+        ``content``, one entry per token with its bytes. ``label(token_id)``: (its text, its bytes)."""
+        if not self.chat:
+            return {"tokens": [label(t.token_id)[0] for t in tokens],
+                    "token_logprobs": [_sendable(t.logprob) for t in tokens],
+                    "top_logprobs": [{label(i)[0]: _sendable(lp) for i, lp in t.top} for t in tokens],
+                    "text_offset": text_offsets}
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text, raw = label(token_id)
+            return {"token": text, "logprob": _sendable(logprob), "bytes": list(raw)}
+
+        return {"content": [entry(t.token_id, t.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                            for t in tokens], "refusal": None}
+
+
+def _sendable(logprob: float) -> float:
+    """A log-prob JSON can carry: -inf (and NaN, for which every comparison is false) becomes ``NO_LOGPROB``."""
+    return logprob if logprob > NO_LOGPROB else NO_LOGPROB
 
 
 def sse(data: dict | str) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -33,73 +32,19 @@ INSTALL_HINT = (f'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON"
                 f"llama-cpp-python=={LLAMA_VERSION}  (a source build: several minutes; then pass this "
                 "environment's python as --llama-python, or install it into minillm's)")
 TARGET = 1.0  # minillm int4 tokens/s over llama.cpp's, at one thread
-LLC_FACTOR = 4  # the read probe's working set: at least this many times the last-level cache
-MIN_PROBE_BYTES = 256 * 2**20
-UNKNOWN_LLC_PROBE_BYTES = 2**30  # when neither sysfs nor lscpu says
+# The last-level cache and the read probe live in minillm.analysis.roofline; they are imported when first used,
+# so the llama.cpp worker (a child of a Python that may lack torch) never imports minillm.
+FROM_ROOFLINE = {"parse_size": "parse_size", "llc_from_sysfs": "llc_from_sysfs", "llc_from_lscpu": "llc_from_lscpu",
+                 "last_level_cache": "last_level_cache", "probe_bytes": "read_probe_bytes",
+                 "UNKNOWN_LLC_PROBE_BYTES": "UNKNOWN_LLC_PROBE_BYTES", "measure_read_bandwidth": "measure_bandwidth"}
 
 
-# --- the machine -----------------------------------------------------------------------------------------
+def __getattr__(name: str):
+    if name in FROM_ROOFLINE:
+        from minillm.analysis import roofline
 
-def parse_size(text: str) -> int:
-    """'32768K', '32 MiB', '1.5 MiB (2 instances)', '512 KB' -> bytes (binary units, as the kernel means)."""
-    match = re.match(r"\s*([\d.]+)\s*([KMGT]?)(?:i?B)?", text, re.IGNORECASE)
-    if not match:
-        raise ValueError(f"cannot read a cache size from {text!r}")
-    return int(float(match[1]) * 1024 ** " KMGT".index(match[2].upper() or " "))
-
-
-def llc_from_sysfs(cpu_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> tuple[int, str] | None:
-    """(bytes, description) of the highest-level data or unified cache sysfs lists for cpu0."""
-    best = None
-    for index in sorted(cpu_dir.glob("index*")):
-        try:
-            level = int((index / "level").read_text())
-            kind = (index / "type").read_text().strip()
-            size = parse_size((index / "size").read_text())
-        except (OSError, ValueError):
-            continue
-        if kind != "Instruction" and (best is None or level > best[0]):
-            best = (level, size)
-    return None if best is None else (best[1], f"L{best[0]} {best[1] / 2**20:g} MiB ({cpu_dir}/index*)")
-
-
-def llc_from_lscpu(text: str) -> tuple[int, str] | None:
-    """(bytes, description) of the highest 'Ln cache:' line of lscpu's output (the total over instances)."""
-    levels = {int(m[1]): m[2].strip() for m in re.finditer(r"^L(\d)d? cache:\s*(.+)$", text, re.MULTILINE)}
-    if not levels:
-        return None
-    level = max(levels)
-    size = parse_size(levels[level])
-    return size, f"L{level} {levels[level]} (lscpu)"
-
-
-def last_level_cache() -> tuple[int | None, str]:
-    """The last-level cache as the system reports it: sysfs first, then lscpu; never assumed."""
-    found = llc_from_sysfs()
-    if found is None:
-        try:
-            found = llc_from_lscpu(subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout)
-        except (OSError, subprocess.SubprocessError):
-            found = None
-    return found if found else (None, "unknown (neither sysfs nor lscpu reports it)")
-
-
-def probe_bytes(llc: int | None) -> int:
-    """The read probe's working set: >= LLC_FACTOR x the last-level cache (and >= 256 MiB)."""
-    if llc is None:
-        return UNKNOWN_LLC_PROBE_BYTES
-    return max(MIN_PROBE_BYTES, LLC_FACTOR * llc)
-
-
-def measure_read_bandwidth(n_bytes: int, repeats: int = 5) -> float:
-    """Bytes/s of summing a float32 tensor of ``n_bytes``: read-only, as a decode step is (median)."""
-    import torch
-
-    from minillm.analysis.roofline import median_time
-
-    src = torch.ones(n_bytes // 4)  # (n_bytes / 4,)
-    seconds = median_time(lambda: src.sum(), repeats=repeats, warmup=2)
-    return src.numel() * 4 / seconds
+        return getattr(roofline, FROM_ROOFLINE[name])
+    raise AttributeError(f"module 'bench_peers' has no attribute {name!r}")
 
 
 # --- llama.cpp, in a child process of a Python that has it -------------------------------------------------
@@ -220,6 +165,8 @@ def main(argv=None) -> int:
 
     from minillm import generate
     from minillm.analysis.arithmetic import kv_cache_bytes
+    from minillm.analysis.roofline import last_level_cache, measure_bandwidth
+    from minillm.analysis.roofline import read_probe_bytes as probe_bytes
     from minillm.checkpoints.pretrained import gguf_path
     from minillm.fast.compiled import StaticDecoder
     from minillm.fast.quant import PRECISIONS, load_precision, streamed_bytes
@@ -262,7 +209,7 @@ def main(argv=None) -> int:
     results, bandwidth = {}, {}
     for threads in args.thread_counts:
         torch.set_num_threads(threads)
-        bandwidth[threads] = measure_read_bandwidth(probe_bytes(llc))
+        bandwidth[threads] = measure_bandwidth(probe_bytes(llc))
     runs = {}
     for threads in args.thread_counts:
         for name, fn in contenders.items():

@@ -1,6 +1,9 @@
 """int8 weight-only quantization and the bfloat16 variant: exact arithmetic on small tensors, then the
 real SmolLM2 against its float32 self (finite logits, loss, greedy text)."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,6 +24,8 @@ from minillm.fast.quant import (
     int8pack_available,
     make_variant,
     mean_nll,
+    onednn_bf16_pack_problem,
+    onednn_packed_linear,
     quantize_int8,
     quantize_model,
     streamed_bytes,
@@ -155,6 +160,34 @@ def test_matvec_linear_equals_f_linear():
         assert out.shape == (*shape[:-1], 300)
         torch.testing.assert_close(out.float(), F.linear(x.double(), weight.double()).float(),
                                    rtol=4 * BF16_ULP, atol=4 * BF16_ULP * 10)
+
+
+PACK_PROBE = ("from minillm.fast.quant import onednn_bf16_pack_problem as p; import torch; "
+              "print(torch.backends.cpu.get_cpu_capability(), '|', p())")
+
+
+def test_onednn_packing_runs_where_the_cpu_allows_and_names_why_not_elsewhere():
+    """Chapter 2.5 packs a bfloat16 weight once; without AVX-512 oneDNN refuses: the probe says so, and the
+    chapter takes the 'not applicable' case instead of stopping (on a reader's AVX2 laptop)."""
+    avx2 = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", PACK_PROBE], capture_output=True, text=True, env=avx2,
+                         timeout=120)
+    capability, problem = out.stdout.strip().split(" | ")
+    assert capability == "AVX2" and problem != "None" and "bf16" in problem
+    if onednn_bf16_pack_problem() is None:  # this CPU packs: the packed product is F.linear's
+        generator = torch.Generator().manual_seed(3)
+        weight = torch.randn(64, 32, generator=generator).bfloat16()
+        x = torch.randn(1, 32, generator=generator).bfloat16()
+        torch.testing.assert_close(onednn_packed_linear(weight)(x).float(), F.linear(x, weight).float(),
+                                   rtol=0.02, atol=0.02)
+
+
+def test_packing_refuses_with_the_reason_where_onednn_cannot(monkeypatch):
+    import minillm.fast.quant as quant
+
+    monkeypatch.setattr(quant, "onednn_bf16_pack_problem", lambda: "bf16 path needs avx512bw")
+    with pytest.raises(ValueError, match="cannot pack a bfloat16 weight here: bf16 path needs avx512bw"):
+        quant.onednn_packed_linear(torch.ones(16, 16, dtype=torch.bfloat16))
 
 
 def test_tiny_variants_give_nearly_the_float32_logits(tiny_model):

@@ -8,14 +8,24 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minillm import KVCache, build_model, get_config
+from minillm.analysis import roofline as roofline_module
 from minillm.analysis.arithmetic import kv_bytes_per_token, prefill_bytes, streamed_weight_bytes
 from minillm.analysis.roofline import (
+    LLC_FACTOR,
+    MIN_PROBE_BYTES,
+    UNKNOWN_LLC_PROBE_BYTES,
     RooflinePoint,
+    default_probe_bytes,
+    last_level_cache,
+    llc_from_lscpu,
+    llc_from_sysfs,
     matmul_flops,
     measure_bandwidth,
     measure_matmul_flops,
     median_time,
+    parse_size,
     prefill_share,
+    read_probe_bytes,
     ridge_point,
     roofline,
     roofline_time,
@@ -53,9 +63,92 @@ def test_measure_matmul_flops_divides_flops_by_median_time():
     assert flops == 2 * 8 ** 3 / 1.0
 
 
-def test_measure_bandwidth_counts_read_and_write():
+def test_measure_bandwidth_counts_each_byte_read_once():
+    """A read probe: n bytes summed in 1.0 s (the median of the fake clock) is n bytes/s, not 2n (a copy)."""
     bw = measure_bandwidth(n_bytes=4096, repeats=3, clock=fake_clock(READINGS))
-    assert bw == 2 * 4096 / 1.0
+    assert bw == 4096 / 1.0
+
+
+LSCPU = """Architecture:                            x86_64
+L1d cache:                               64 KiB (2 instances)
+L1i cache:                               64 KiB (2 instances)
+L2 cache:                                2 MiB (2 instances)
+L3 cache:                                480 MiB (1 instance)
+"""
+
+
+@pytest.mark.parametrize("text, expected", [("32768K", 32 * 2**20), ("480 MiB (1 instance)", 480 * 2**20),
+                                            ("1.5 MiB", 3 * 2**19), ("512 KB", 512 * 2**10), ("64", 64)])
+def test_cache_sizes_read_in_binary_units(text, expected):
+    assert parse_size(text) == expected
+
+
+def write_cache(root, index, level, kind, size):
+    folder = root / f"index{index}"
+    folder.mkdir(parents=True)
+    for name, value in {"level": f"{level}\n", "type": f"{kind}\n", "size": f"{size}\n"}.items():
+        (folder / name).write_text(value)
+
+
+def test_sysfs_gives_the_highest_level_that_is_not_instructions(tmp_path):
+    write_cache(tmp_path, 0, 1, "Data", "32K")
+    write_cache(tmp_path, 1, 1, "Instruction", "32K")
+    write_cache(tmp_path, 2, 2, "Unified", "1024K")
+    write_cache(tmp_path, 3, 3, "Unified", "491520K")
+    size, text = llc_from_sysfs(tmp_path)
+    assert size == 480 * 2**20 and text.startswith("L3 480 MiB")
+    assert llc_from_sysfs(tmp_path / "absent") is None
+
+
+def test_lscpu_gives_the_last_level_total():
+    size, text = llc_from_lscpu(LSCPU)
+    assert size == 480 * 2**20 and "L3" in text and "lscpu" in text
+    assert llc_from_lscpu("Architecture: x86_64\n") is None
+
+
+@pytest.mark.parametrize("llc", [32 * 2**20, 480 * 2**20, 2**20])
+def test_the_read_probe_is_larger_than_the_last_level_cache(llc):
+    """The review's machine reports a 480 MiB L3: a 256 MiB probe would have measured the cache."""
+    n = read_probe_bytes(llc)
+    assert n >= LLC_FACTOR * llc and n >= MIN_PROBE_BYTES
+    assert read_probe_bytes(480 * 2**20) == 1920 * 2**20
+
+
+def test_an_unknown_cache_gets_the_large_fallback(monkeypatch):
+    def no_lscpu(*args, **kwargs):
+        raise OSError("no lscpu")
+
+    monkeypatch.setattr(roofline_module, "llc_from_sysfs", lambda: None)
+    monkeypatch.setattr(roofline_module.subprocess, "run", no_lscpu)
+    last_level_cache.cache_clear()
+    try:
+        size, text = last_level_cache()
+        assert size is None and text.startswith("unknown")
+        assert default_probe_bytes("cpu") == UNKNOWN_LLC_PROBE_BYTES == 2**30
+    finally:
+        last_level_cache.cache_clear()
+
+
+def test_lscpu_is_read_when_sysfs_says_nothing(monkeypatch):
+    class Done:
+        stdout = LSCPU
+
+    monkeypatch.setattr(roofline_module, "llc_from_sysfs", lambda: None)
+    monkeypatch.setattr(roofline_module.subprocess, "run", lambda *a, **k: Done())
+    last_level_cache.cache_clear()
+    try:
+        assert last_level_cache()[0] == 480 * 2**20
+        assert default_probe_bytes("cpu") == 4 * 480 * 2**20
+    finally:
+        last_level_cache.cache_clear()
+
+
+def test_the_default_probe_reads_more_than_this_machine_s_reported_cache():
+    size, text = last_level_cache()
+    assert (size is None) == text.startswith("unknown")
+    assert default_probe_bytes("cpu") > (size or 0)
+    # measure_bandwidth() with its defaults reads that working set: 5 timed sums of 2 s each
+    assert measure_bandwidth(clock=fake_clock([0.0, 2.0] * 5)) == default_probe_bytes("cpu") / 2.0
 
 
 def test_probes_return_positive_finite_numbers():

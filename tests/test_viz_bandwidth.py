@@ -29,6 +29,27 @@ def test_kernel_bars_are_bytes_over_seconds_in_gb_per_s():
     plt.close(fig)
 
 
+def test_points_that_fit_in_the_cache_are_hollow_and_every_point_carries_its_speed():
+    fig, ax = plt.subplots()
+    plot_bandwidth_law(ax, {"big": (500e6, 20.0), "small": (10e6, 300.0), "peer": (100e6, 60.0)},
+                       bandwidth=20e9, cache_bytes=32 * 2**20, quoted=("peer",))
+    _, big, small, peer = ax.get_lines()
+    assert big.get_markerfacecolor() != "none" and small.get_markerfacecolor() == "none"
+    assert peer.get_marker() == "x"
+    labels = ax.get_legend_handles_labels()[1]
+    assert labels[1:] == ["big", "small (in cache)", "peer (quoted)"]
+    assert [t.get_text() for t in ax.texts] == ["20", "300", "60"]
+    plt.close(fig)
+
+
+def test_kernel_bars_carry_their_values():
+    fig, ax = plt.subplots()
+    plot_kernel_bandwidth(ax, {"fast": (2e9, 0.1), "slow": (2e9, 1.0)}, bandwidth=25e9)
+    assert sorted(t.get_text() for t in ax.texts) == ["2.0", "20.0"]
+    assert len({bar.get_facecolor() for bar in ax.patches}) == 2
+    plt.close(fig)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda ax: plot_bandwidth_law(ax, {}, 1e9), "points is empty"),
     (lambda ax: plot_bandwidth_law(ax, {"a": (0, 1.0)}, 1e9), "a bytes per step=0"),

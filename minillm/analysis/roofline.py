@@ -3,14 +3,18 @@
 The roofline model says a kernel that does ``flops`` of work while moving ``bytes`` of
 memory can run at most at ``min(peak_flops, intensity x peak_bandwidth)`` FLOP/s, where
 intensity = flops / bytes. The two peaks are measured here with small probes (a square
-matmul, a large copy) instead of taken from a datasheet, so the chapter compares the model
-with the machine it actually runs on.
+matmul, a read of a buffer larger than the last-level cache) instead of taken from a
+datasheet, so the chapter compares the model with the machine it actually runs on.
 """
 from __future__ import annotations
 
+import functools
+import re
 import statistics
+import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,6 +26,11 @@ from ..validate import check_int, check_number
 from .arithmetic import bandwidth_utilisation, decode_bytes, decode_flops, prefill_bytes, prefill_flops
 
 Clock = Callable[[torch.device], float]
+SYSFS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
+LLC_FACTOR = 4  # the read probe's working set: at least this many times the last-level cache
+MIN_PROBE_BYTES = 256 * 2**20
+UNKNOWN_LLC_PROBE_BYTES = 2**30  # when neither sysfs nor lscpu reports the cache
+GPU_PROBE_BYTES = 2**30  # a GPU's L2 is tens of MiB
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
@@ -66,21 +75,89 @@ def measure_matmul_flops(n: int = 512, dtype: str | torch.dtype = "float32",
     return matmul_flops(n) / seconds
 
 
-def measure_bandwidth(n_bytes: int = 64 * 2 ** 20, device: str | torch.device = "cpu",
-                      repeats: int = 5, clock: Clock = now) -> float:
-    """Achieved bandwidth (bytes/s, median of ``repeats``) of copying ``n_bytes``.
+def parse_size(text: str) -> int:
+    """'32768K', '32 MiB', '1.5 MiB (2 instances)', '512 KB' -> bytes (binary units, as the kernel means)."""
+    match = re.match(r"\s*([\d.]+)\s*([KMGT]?)(?:i?B)?", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"cannot read a cache size from {text!r}")
+    return int(float(match[1]) * 1024 ** " KMGT".index(match[2].upper() or " "))
 
-    Each copy reads ``n_bytes`` and writes ``n_bytes``: both are counted (2 x n_bytes
-    moved). Make ``n_bytes`` larger than the last-level cache (tens of MiB on a CPU, ~50
-    MiB of L2 on recent GPUs), or the probe measures the cache instead of main memory.
+
+def llc_from_sysfs(cpu_dir: Path = SYSFS_CACHE) -> tuple[int, str] | None:
+    """(bytes, description) of the highest-level data or unified cache sysfs lists for cpu0."""
+    best = None
+    for index in sorted(cpu_dir.glob("index*")):
+        try:
+            level = int((index / "level").read_text())
+            kind = (index / "type").read_text().strip()
+            size = parse_size((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+        if kind != "Instruction" and (best is None or level > best[0]):
+            best = (level, size)
+    if best is None:
+        return None
+    return best[1], f"L{best[0]} {best[1] / 2**20:g} MiB ({cpu_dir}/index*)"
+
+
+def llc_from_lscpu(text: str) -> tuple[int, str] | None:
+    """(bytes, description) of the highest 'Ln cache:' line of lscpu's output (the total over instances)."""
+    levels = {int(m[1]): m[2].strip()
+              for m in re.finditer(r"^L(\d)d? cache:\s*(.+)$", text, re.MULTILINE)}
+    if not levels:
+        return None
+    level = max(levels)
+    return parse_size(levels[level]), f"L{level} {levels[level]} (lscpu)"
+
+
+@functools.cache
+def last_level_cache() -> tuple[int | None, str]:
+    """The CPU's last-level cache as the system reports it: sysfs first, then lscpu; never
+    assumed. (None, why) when neither says."""
+    found = llc_from_sysfs()
+    if found is None:
+        try:
+            lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10)
+            found = llc_from_lscpu(lscpu.stdout)
+        except (OSError, subprocess.SubprocessError):
+            found = None
+    return found if found else (None, "unknown (neither sysfs nor lscpu reports it)")
+
+
+def read_probe_bytes(llc: int | None) -> int:
+    """The read probe's working set: at least ``LLC_FACTOR`` x the last-level cache and
+    ``MIN_PROBE_BYTES``; ``UNKNOWN_LLC_PROBE_BYTES`` when the cache size is unknown."""
+    if llc is None:
+        return UNKNOWN_LLC_PROBE_BYTES
+    check_int("llc", llc)
+    return max(MIN_PROBE_BYTES, LLC_FACTOR * llc)
+
+
+def default_probe_bytes(device: str | torch.device = "cpu") -> int:
+    """The working set ``measure_bandwidth`` reads by default on ``device``: above the CPU's
+    reported last-level cache (``read_probe_bytes``), or ``GPU_PROBE_BYTES`` (far above any
+    GPU's L2) on a GPU."""
+    if resolve_device(device).type != "cpu":
+        return GPU_PROBE_BYTES
+    return read_probe_bytes(last_level_cache()[0])
+
+
+def measure_bandwidth(n_bytes: int | None = None, device: str | torch.device = "cpu",
+                      repeats: int = 5, clock: Clock = now) -> float:
+    """Achieved read bandwidth (bytes/s, median of ``repeats``): the time to sum ``n_bytes``
+    of float32, each byte read once and nothing written, as a decode step reads its weights.
+
+    ``n_bytes`` defaults to ``default_probe_bytes(device)``: a working set larger than the
+    last-level cache, so the probe reads main memory, not the cache. On a CPU it runs on
+    the threads torch uses (``torch.get_num_threads()``): at one thread it is one core's
+    figure, not the machine's.
     """
-    check_int("n_bytes", n_bytes, minimum=4)
     device = resolve_device(device)
+    n_bytes = default_probe_bytes(device) if n_bytes is None else n_bytes
+    check_int("n_bytes", n_bytes, minimum=4)
     src = torch.ones(n_bytes // 4, device=device, dtype=torch.float32)  # (n_bytes/4,)
-    dst = torch.empty_like(src)
-    seconds = median_time(lambda: dst.copy_(src), repeats=repeats, device=device,
-                          clock=clock)
-    return 2 * src.numel() * src.element_size() / seconds
+    seconds = median_time(src.sum, repeats=repeats, warmup=1, device=device, clock=clock)
+    return src.numel() * src.element_size() / seconds
 
 
 def _random_ids(model, batch_size: int, length: int) -> torch.Tensor:

@@ -146,6 +146,33 @@ class Int8Linear(nn.Module):
         return out.view(*x.shape[:-1], -1)
 
 
+@functools.cache
+def onednn_bf16_pack_problem() -> str | None:
+    """Why oneDNN cannot pack a bfloat16 weight ahead of time on this CPU (None: it can).
+
+    Its bfloat16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on a CPU without them (or
+    under ``ONEDNN_MAX_CPU_ISA=AVX2``) it raises, so a small weight is tried once.
+    """
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return f"torch {torch.__version__} has no mkldnn._reorder_linear_weight"
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 1)
+    except (RuntimeError, NotImplementedError) as error:
+        return str(error).splitlines()[0]
+    return None
+
+
+def onednn_packed_linear(weight: torch.Tensor):
+    """``x -> x @ weight^T`` for one bfloat16 row (1, in), through oneDNN's linear with ``weight`` (out, in)
+    packed once, ahead of time, into the layout its kernel reads (what ``torch.compile``'s ``freezing``
+    does on a CPU). ValueError with the reason where this CPU cannot (``onednn_bf16_pack_problem``)."""
+    problem = onednn_bf16_pack_problem()
+    if problem:
+        raise ValueError(f"oneDNN cannot pack a bfloat16 weight here: {problem}")
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)  # for 1-row inputs
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
 class MatVecLinear(nn.Module):
     """A bias-free linear layer that computes one token's output as ``weight @ x``.
 

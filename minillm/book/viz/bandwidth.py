@@ -23,16 +23,28 @@ def _check_measured(label: str, pairs: dict[str, tuple[float, float]], units: tu
 
 
 def plot_bandwidth_law(ax, points: dict[str, tuple[float, float]], bandwidth: float,
-                       title: str = "Decode speed follows the bytes per step") -> None:
-    """``points``: variant -> (bytes per step, tokens/s). Draws each variant and the bound
-    tokens/s = bandwidth / bytes, on log-log axes (MB and tokens/s)."""
+                       title: str = "Decode speed follows the bytes per step",
+                       cache_bytes: float | None = None, quoted: tuple[str, ...] = ()) -> None:
+    """``points``: variant -> (bytes per step, tokens/s). Draws each variant, labelled with its
+    tokens/s, and the bound tokens/s = bandwidth / bytes, on log-log axes (MB and tokens/s).
+
+    A point whose bytes fit in ``cache_bytes`` (the last-level cache) is drawn hollow and
+    marked "in cache": the bound does not hold for it. Names in ``quoted`` are numbers not
+    measured on this run, drawn as crosses and marked "quoted".
+    """
     _check_measured("points", points, ("bytes per step", "tokens/s"), bandwidth)
     sizes = np.array([b for b, _ in points.values()], dtype=float)
     span = np.geomspace(sizes.min() / 2, sizes.max() * 2, 50)  # bytes
     ax.plot(span / 1e6, bandwidth / span, "k--", lw=1.2,
             label=f"bound: {bandwidth / 1e9:.1f} GB/s / bytes per step")
     for name, (step_bytes, speed) in points.items():
-        ax.plot(step_bytes / 1e6, speed, "o", ms=8, label=name)
+        in_cache = cache_bytes is not None and step_bytes <= cache_bytes
+        marker = "x" if name in quoted else "o"
+        note = " (quoted)" if name in quoted else " (in cache)" if in_cache else ""
+        line, = ax.plot(step_bytes / 1e6, speed, marker, ms=8, label=name + note,
+                        mfc="none" if in_cache else None)
+        ax.annotate(f"{speed:.0f}", (step_bytes / 1e6, speed), textcoords="offset points",
+                    xytext=(6, 4), fontsize=9, color=line.get_color())
     ax.set(xscale="log", yscale="log",
            xlabel="bytes read per decode step (MB, log scale)",
            ylabel="decode speed (tokens/s, log scale)", title=title)
@@ -42,12 +54,15 @@ def plot_bandwidth_law(ax, points: dict[str, tuple[float, float]], bandwidth: fl
 def plot_kernel_bandwidth(ax, kernels: dict[str, tuple[float, float]], bandwidth: float,
                           title: str = "One weight, read at different speeds") -> None:
     """``kernels``: name -> (bytes of the weight it reads, seconds per call). Bars of the
-    achieved bandwidth (bytes / seconds, GB/s), the copy bandwidth as a dashed line."""
+    achieved bandwidth (bytes / seconds, GB/s), each labelled with its value, the measured
+    read bandwidth as a dashed line."""
     _check_measured("kernels", kernels, ("bytes", "seconds"), bandwidth)
     names = list(kernels)[::-1]  # the first kernel on top
     achieved = [kernels[n][0] / kernels[n][1] / 1e9 for n in names]
-    ax.barh(names, achieved, color="#6baed6")
+    colors = [f"C{i}" for i in range(len(names))][::-1]
+    bars = ax.barh(names, achieved, color=colors)
+    ax.bar_label(bars, labels=[f"{a:.1f}" for a in achieved], padding=3, fontsize=9)
     ax.axvline(bandwidth / 1e9, color="k", ls="--", lw=1.2,
-               label=f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+               label=f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
     ax.set(xlabel="weight bytes / time of one call (GB/s)", title=title)
     ax.legend(loc="lower right", fontsize=9)

@@ -83,9 +83,9 @@ def minillm_vs_transformers(model, prompt, n, repeats) -> None:
 def bandwidth_floor(model, seconds_per_token: dict[str, float]) -> None:
     """What no implementation can beat: every decode step streams all weights from memory once."""
     weights = streamed_weight_bytes(model.config, model.dtype)
-    bandwidth = measure_bandwidth(device=model.device)  # bytes/s of a large copy, read + write
+    bandwidth = measure_bandwidth(device=model.device)  # bytes/s read, working set above the last-level cache
     floor = 1 / bandwidth_bound_steps_per_s(weights, bandwidth)  # seconds a step
-    print(f"bandwidth floor: {weights / 1e6:.1f} MB of weights a step / {bandwidth / 1e9:.1f} GB/s measured copy "
+    print(f"bandwidth floor: {weights / 1e6:.1f} MB of weights a step / {bandwidth / 1e9:.1f} GB/s measured read "
           f"bandwidth = {floor * 1e3:.2f} ms/token; time above it (per-step overhead):")
     above = {name: s - floor for name, s in seconds_per_token.items()}
     for name, extra in above.items():

@@ -88,6 +88,7 @@ def test_decoder_diagram_draws_every_stage_with_the_config_numbers():
                   "K, V (B, 3, S, 64)", "weights (B, 9, T, S)", "repeated 30 times", "SmolLM2-135M"):
         assert piece in texts, piece
     assert not any("\u4e00" <= ch <= "\u9fff" for ch in texts), "no CJK glyphs in figures"
+    assert ax.get_title().endswith("the residual stream keeps the shape (B, T, 576)")
     tiny = "\n".join(_texts(draw_decoder_block(get_config("tiny"))))
     assert "258 x 256 table" in tiny and "repeated 4 times" in tiny
     matplotlib.pyplot.close("all")

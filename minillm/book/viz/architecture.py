@@ -169,7 +169,7 @@ def draw_decoder_block(config: ModelConfig, name: str = "the model", ax=None, ti
     ax.set_xlim(-0.45, 10.4)
     ax.set_ylim(y_of(len(rows) - 1) - 0.7, 1.35)
     _clean(ax)
-    ax.set_title(title or f"One forward pass of {name}: every layer keeps the shape (B, T, "
+    ax.set_title(title or f"One forward pass of {name}: the residual stream keeps the shape (B, T, "
                  f"{config.d_model:,})")
     return ax
 

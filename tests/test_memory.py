@@ -29,6 +29,7 @@ from minillm.analysis.arithmetic import (
     weight_bytes,
 )
 from minillm.analysis.capacity import plan_capacity
+from minillm.book.data import A100_MEMORY
 
 SMALL_CONFIGS = [
     get_config("tiny"),                                   # GQA 8:2
@@ -77,9 +78,47 @@ def test_plan_capacity_gqa_4_to_1():
     gqa = get_config("llama-13b", n_kv_heads=10)
     request = kv_cache_bytes(gqa, 4096)
     assert request == 3_355_443_200 // 4 == 838_860_800
-    plan = plan_capacity(80 * 10**9, 26 * 10**9, 10 * 10**9, request, 64)
+    plan = plan_capacity(80 * 10**9, 26 * 10**9, 10 * 10**9, request, 64)  # "80GB" misread as 80e9 B
     assert plan.requests_per_device == 44 * 10**9 // 838_860_800 == 52
     assert plan.devices_needed == 2
+
+
+# --- an "80GB" A100 holds 80 GiB: the plans of chapter 2.2 ------------------------------------------
+
+def test_an_80gb_a100_holds_80_gib():
+    assert A100_MEMORY == 80 * 2**30 == 81_920 * 2**20  # nvidia-smi: 81920 MiB
+    assert format_bytes(A100_MEMORY, "GB") == "85.90 GB"
+
+
+def test_llama7b_requests_on_an_a100():
+    request, weights = kv_cache_bytes("llama-7b", 2048), weight_bytes("llama-7b")
+    assert plan_capacity(A100_MEMORY, 0, 0, request).requests_per_device == 80
+    assert plan_capacity(A100_MEMORY, weights, 0, request).requests_per_device == 67
+    # what PyTorch reports as an A100 80GB's total capacity, 79.25 GiB
+    usable = int(79.25 * 2**30)
+    assert plan_capacity(usable, weights, 0, request).requests_per_device == 66
+    # the same card misread as 80e9 bytes
+    assert plan_capacity(80 * 10**9, 0, 0, request).requests_per_device == 74
+    assert plan_capacity(80 * 10**9, weights, 0, request).requests_per_device == 61
+
+
+def test_llama13b_plans_on_an_a100():
+    mha, gqa = kv_cache_bytes("llama-13b", 4096), kv_cache_bytes(get_config("llama-13b", n_kv_heads=10), 4096)
+    plan = plan_capacity(A100_MEMORY, weight_bytes("llama-13b"), 10 * 10**9, mha, 64)
+    assert (plan.requests_per_device, plan.devices_needed) == (14, 5)
+    plan_gqa = plan_capacity(A100_MEMORY, weight_bytes("llama-13b"), 10 * 10**9, gqa, 64)
+    assert (plan_gqa.requests_per_device, plan_gqa.devices_needed) == (59, 2)
+    assert plan_capacity(int(79.25 * 2**30), weight_bytes("llama-13b"), 10 * 10**9, gqa).requests_per_device == 58
+
+
+def test_the_sources_13b_plan_read_in_binary_units_is_consistent_and_conservative():
+    """Its "3.2GB" and "0.8GB" are 3.125 GiB and 0.78125 GiB rounded up; 80 - 26 - 10 = 44 GiB free."""
+    mha, gqa = kv_cache_bytes("llama-13b", 4096), kv_cache_bytes(get_config("llama-13b", n_kv_heads=10), 4096)
+    assert (mha, gqa) == (3.125 * 2**30, 0.78125 * 2**30)
+    assert round(mha / 2**30, 1) == 3.1 and 3.2 > mha / 2**30 and 0.8 > gqa / 2**30
+    free = plan_capacity(80 * 2**30, 26 * 2**30, 10 * 2**30, mha)
+    assert free.free_bytes == 44 * 2**30 and free.requests_per_device == 14 >= 13  # the source: 13
+    assert plan_capacity(80 * 2**30, 26 * 2**30, 10 * 2**30, gqa).requests_per_device == 56 >= 55
 
 
 # --- against the real tensors ---------------------------------------------------------------------

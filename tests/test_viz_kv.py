@@ -8,7 +8,17 @@ import pytest
 from matplotlib.colors import to_rgba
 from matplotlib.path import Path
 
-from minillm.book.viz.kv import STATE_COLORS, draw_block_tables, draw_kv_growth, growth_states, physical_blocks
+from minillm.book.viz.kv import (
+    STATE_COLORS,
+    draw_block_tables,
+    draw_kv_growth,
+    draw_memory_vs_concurrency,
+    draw_step_times,
+    draw_step_vs_context,
+    growth_states,
+    physical_blocks,
+    window_medians,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -72,6 +82,54 @@ def test_growth_figure_rejects_more_labels_than_positions():
         draw_kv_growth([2], 3, tokens=["a", "b", "c", "d"])
 
 
+# --- step times -----------------------------------------------------------------------------------
+
+def _line(ax, gid):
+    return next(line for line in ax.get_lines() if line.get_gid() == gid)
+
+
+def test_window_medians_drop_a_partial_tail():
+    assert window_medians([3, 1, 2, 10, 30, 20, 99], 3) == [2, 20]
+    with pytest.raises(ValueError, match="2 values are fewer than one window of 3"):
+        window_medians([1, 2], 3)
+
+
+def test_step_time_figure_draws_each_path_in_ms_with_its_window_medians():
+    naive = [0.001 * (i + 1) for i in range(32)]  # grows by 1 ms a step
+    cached = [0.002] * 32
+    ax = draw_step_times({"naive": naive, "cached": cached}, window=16, note="fixed cost")
+    x, y = _line(ax, "median-naive").get_data()
+    assert list(x) == [8.5, 24.5] and list(y) == pytest.approx([8.5, 24.5])
+    assert list(_line(ax, "median-cached").get_data()[1]) == pytest.approx([2.0, 2.0])
+    assert ax.get_ylabel() == "time for this token (ms)" and "index" in ax.get_xlabel()
+    assert [t.get_text() for t in ax.texts] == ["fixed cost"]
+    with pytest.raises(ValueError, match="per_token is empty"):
+        draw_step_times({})
+
+
+def test_step_vs_context_figure_draws_one_line_per_series_in_ms():
+    ax = draw_step_vs_context([16, 4096, 8191], {"batch 1": [0.06, 0.075, 0.09],
+                                                  "batch 4": [0.08, 0.15, 0.25]}, title="Figure 3: x")
+    x, y = _line(ax, "step-batch 4").get_data()
+    assert list(x) == [16, 4096, 8191] and list(y) == pytest.approx([80, 150, 250])
+    assert ax.get_title() == "Figure 3: x" and "(ms)" in ax.get_ylabel() and "context" in ax.get_xlabel()
+    with pytest.raises(ValueError, match="'b' has 1 times for 2 contexts"):
+        draw_step_vs_context([1, 2], {"b": [0.1]})
+
+
+def test_memory_figure_is_in_gib_and_marks_the_last_request_that_fits():
+    gib = 2**30
+    ax = draw_memory_vs_concurrency(10 * gib, {"1 GiB each": gib, "2 GiB each": 2 * gib}, 80 * gib,
+                                    max_requests=100, device_label="80 GiB")
+    fit = _line(ax, "fit-1 GiB each").get_data()
+    assert list(fit[0]) == [70] and list(fit[1]) == pytest.approx([80.0])
+    assert list(_line(ax, "fit-2 GiB each").get_data()[0]) == [35]
+    assert "GiB" in ax.get_ylabel()
+    horizontal = sorted(line.get_ydata()[0] for line in ax.get_lines() if len(set(line.get_ydata())) == 1
+                        and line.get_gid() is None)
+    assert horizontal == pytest.approx([10.0, 80.0])
+
+
 # --- the paged pool -------------------------------------------------------------------------------
 
 def test_physical_blocks_follow_the_tables():
@@ -127,3 +185,13 @@ def test_block_figure_fills_exactly_the_slots_that_hold_tokens():
         assert filled == [s < held for s in range(4)], f"block {b}"
         assert bool(owners) == (held > 0)
     assert sum(patches[f"logical-C-2-slot-{s}"].get_facecolor() != to_rgba("white") for s in range(4)) == 2
+
+
+def test_block_figure_writes_notes_under_their_blocks():
+    ax = draw_block_tables({"A": [0, 2]}, {"A": 6}, num_blocks=4, block_size=4, notes={2: "was B's"})
+    note = next(t for t in ax.texts if t.get_gid() == "note-2")
+    block = _by_gid(ax)["block-2"]
+    assert note.get_text() == "was B's"
+    assert block.get_x() <= note.get_position()[0] <= block.get_x() + block.get_width()
+    with pytest.raises(ValueError, match="a note for block 4"):
+        draw_block_tables({"A": [0]}, {"A": 1}, num_blocks=4, block_size=4, notes={4: "x"})

@@ -1,8 +1,10 @@
-"""KV-cache diagrams: a contiguous cache filling up over decode steps, and a paged pool whose block
-tables map each request's logical blocks to physical blocks.
+"""KV-cache figures: a contiguous cache filling up over decode steps, the time of naive and cached
+steps, a cached step against the context it reads, memory against concurrency, and a paged pool whose
+block tables map each request's logical blocks to physical blocks.
 
-Both take plain data (cache lengths, block tables), so a chapter can draw them from a real run: the
-lengths a ``KVCache`` reports after each forward pass, or the tables a ``BlockManager`` hands out.
+Each takes plain data (cache lengths, step times, byte counts, block tables), so a chapter draws it from
+a real run: the lengths a ``KVCache`` reports after each forward pass, the times it measured, or the
+tables a ``BlockManager`` hands out.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from . import axes_or_new
 STATE_COLORS = {"read": "tab:blue", "written": "tab:orange", "empty": "0.93"}
 STATE_LABELS = {"read": "read (written earlier)", "written": "written now, then read",
                 "empty": "allocated, still empty"}
+PATH_COLORS = {"naive": "tab:red", "cached": "tab:blue"}
 REQUEST_COLORS = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink",
                   "tab:olive", "tab:cyan"]
 
@@ -102,6 +105,107 @@ def draw_kv_growth(lengths: Sequence[int], max_len: int, tokens: Sequence[str] |
     return ax
 
 
+# --- step times ---------------------------------------------------------------------------------
+
+def window_medians(values: Sequence[float], window: int) -> list[float]:
+    """Medians of consecutive, non-overlapping windows of ``window`` values (a partial tail is dropped)."""
+    import statistics
+
+    check_int("window", window)
+    if len(values) < window:
+        raise ValueError(f"{len(values)} values are fewer than one window of {window}")
+    return [statistics.median(values[i:i + window]) for i in range(0, len(values) - window + 1, window)]
+
+
+def draw_step_times(per_token: Mapping[str, Sequence[float]], window: int = 16, ax=None,
+                    title: str | None = None, note: str | None = None):
+    """Seconds per generated token of each path (``{"naive": [...], "cached": [...]}``), as dots in ms,
+    with the median of every ``window`` steps as a line (its ``gid``: ``"median-<path>"``).
+
+    ``note``: a text placed at the cached line (what its height is). Returns the axes.
+    """
+    if not per_token:
+        raise ValueError("per_token is empty; give the step times of at least one path")
+    ax = axes_or_new(ax, (7.5, 3.8))
+    for name, times in per_token.items():
+        color = PATH_COLORS.get(name, "tab:gray")
+        ax.plot(range(1, len(times) + 1), [t * 1e3 for t in times], ".", color=color, alpha=0.3,
+                markersize=3)
+        medians = window_medians(times, window)
+        centres = [window * i + (window + 1) / 2 for i in range(len(medians))]
+        ax.plot(centres, [m * 1e3 for m in medians], "-", color=color, gid=f"median-{name}",
+                label=f"{name} (median of {window} steps)")
+    if note is not None and "cached" in per_token:
+        level = window_medians(per_token["cached"], window)[-1] * 1e3
+        ax.annotate(note, (len(per_token["cached"]) * 0.55, level), xytext=(0, 14),
+                    textcoords="offset points", ha="center", va="bottom", color=PATH_COLORS["cached"])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("generated token index (position = prompt length + index)")
+    ax.set_ylabel("time for this token (ms)")
+    ax.set_title(title or "Time per generated token")
+    ax.legend(loc="upper left")
+    return ax
+
+
+def draw_step_vs_context(contexts: Sequence[int], step_times: Mapping[str, Sequence[float]], ax=None,
+                         title: str | None = None):
+    """Median seconds of one cached decode step (shown in ms) against the positions it reads, one line
+    per label of ``step_times`` (e.g. a batch size; its ``gid``: ``"step-<label>"``). Returns the axes."""
+    contexts = [check_int("context", s) for s in contexts]
+    if not step_times:
+        raise ValueError("step_times is empty; give the times of at least one series")
+    for label, times in step_times.items():
+        if len(times) != len(contexts):
+            raise ValueError(f"{label!r} has {len(times)} times for {len(contexts)} contexts")
+    ax = axes_or_new(ax, (7.5, 3.8))
+    for label, times in step_times.items():
+        ax.plot(contexts, [t * 1e3 for t in times], "o-", gid=f"step-{label}", label=label)
+    ax.set_xlim(0, max(contexts) * 1.03)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("positions the decode step reads from the cache (context)")
+    ax.set_ylabel("time per decode step (ms)")
+    ax.set_title(title or "A cached decode step against the context it reads")
+    ax.legend(loc="upper left")
+    return ax
+
+
+# --- memory against concurrency ----------------------------------------------------------------
+
+def draw_memory_vs_concurrency(weight_bytes: int, request_bytes: Mapping[str, int], device_bytes: int,
+                               max_requests: int, device_label: str, ax=None, title: str | None = None):
+    """Weights + KV cache (GiB = 2^30 bytes) against concurrent requests, one line per request size
+    (``request_bytes``: label -> KV bytes of one request), with the weights and the device's memory as
+    horizontal lines. The last request count that fits under the device is marked on each line (a dot,
+    gid ``"fit-<label>"``). Returns the axes."""
+    check_int("weight_bytes", weight_bytes)
+    check_int("device_bytes", device_bytes)
+    check_int("max_requests", max_requests)
+    if not request_bytes:
+        raise ValueError("request_bytes is empty; give the KV bytes of at least one request size")
+    gib = 2**30
+    ax = axes_or_new(ax, (7.5, 3.8))
+    counts = range(1, max_requests + 1)
+    top = weight_bytes + max_requests * max(request_bytes.values())
+    for label, per_request in request_bytes.items():
+        check_int(f"request_bytes[{label!r}]", per_request)
+        line, = ax.plot(counts, [(weight_bytes + n * per_request) / gib for n in counts], label=label)
+        fit = (device_bytes - weight_bytes) // per_request
+        if 1 <= fit <= max_requests:
+            ax.plot([fit], [(weight_bytes + fit * per_request) / gib], "o", color=line.get_color(),
+                    gid=f"fit-{label}")
+            ax.annotate(f"{fit}", (fit, (weight_bytes + fit * per_request) / gib), xytext=(4, -14),
+                        textcoords="offset points", color=line.get_color())
+    ax.axhline(weight_bytes / gib, color="black", linestyle="--", label="weights alone")
+    ax.axhline(device_bytes / gib, color="tab:red", linestyle=":", label=device_label)
+    ax.set_xlim(0, max_requests)
+    ax.set_ylim(0, max(top, device_bytes) / gib * 1.35)  # room for the legend above the lines
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("memory (GiB, 2³⁰ bytes)")
+    ax.set_title(title or "Weights + KV cache against concurrency")
+    ax.legend(loc="upper left")
+    return ax
+
+
 # --- a paged pool and its block tables ------------------------------------------------------------
 
 def check_block_table(owner: str, table: Sequence[int], num_blocks: int) -> None:
@@ -140,12 +244,14 @@ def physical_blocks(block_tables: Mapping[str, Sequence[int]], lengths: Mapping[
 
 
 def draw_block_tables(block_tables: Mapping[str, Sequence[int]], lengths: Mapping[str, int],
-                      num_blocks: int, block_size: int, ax=None, title: str | None = None):
+                      num_blocks: int, block_size: int, ax=None, title: str | None = None,
+                      notes: Mapping[int, str] | None = None):
     """Each request's logical blocks (top) with an arrow to the physical block that holds it (bottom).
 
-    A block is drawn as ``block_size`` slots, filled up to the tokens it holds. Returns the axes; the
-    arrow of request r's logical block j has gid ``"map-r-j-b"`` (b: its physical block), physical
-    block b is ``"block-b"`` and its slot s ``"block-b-slot-s"`` (logical: ``"logical-r-j..."``).
+    A block is drawn as ``block_size`` slots, filled up to the tokens it holds. ``notes``: a short text
+    under some physical blocks (e.g. the request that held it before), gid ``"note-b"``. Returns the
+    axes; the arrow of request r's logical block j has gid ``"map-r-j-b"`` (b: its physical block),
+    physical block b is ``"block-b"`` and its slot s ``"block-b-slot-s"`` (logical: ``"logical-r-j..."``).
     """
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
@@ -169,6 +275,12 @@ def draw_block_tables(block_tables: Mapping[str, Sequence[int]], lengths: Mappin
         color = colors[owners[0][0]] if owners else "white"
         draw_block(b * step, pool_y, held, color, f"block-{b}")
         ax.text(b * step + 0.5, pool_y - 0.12, str(b), ha="center", va="top")
+    for b, note in (notes or {}).items():
+        check_int("notes block", b, minimum=0)
+        if b >= num_blocks:
+            raise ValueError(f"a note for block {b}, outside [0, {num_blocks})")
+        ax.text(b * step + 0.5, pool_y - 0.45, note, ha="center", va="top", fontsize=9, color="0.3",
+                gid=f"note-{b}")
     x = 0.0
     for name, table in block_tables.items():
         start = x
@@ -185,7 +297,7 @@ def draw_block_tables(block_tables: Mapping[str, Sequence[int]], lengths: Mappin
                 color=colors[name])
         x += group_gap
     ax.set_xlim(-0.2, width)
-    ax.set_ylim(pool_y - 0.75, logical_y + height + 1.0)
+    ax.set_ylim(pool_y - (1.0 if notes else 0.75), logical_y + height + 1.0)
     ax.set_yticks([pool_y + height / 2, logical_y + height / 2],
                   [f"physical pool\n({num_blocks} blocks;\nwhite: free)", "logical blocks\n(per request)"])
     ax.set_xticks([])

@@ -1,4 +1,8 @@
 """The static decode step: equal to CausalLM.forward, compiled equal to eager, and the backend switch."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import SMALL, random_ids
@@ -60,6 +64,36 @@ def test_compiled_equals_eager(compiled):
         tokens = decoder.generate(prompt, 30)
         assert tokens == eager.generate(prompt, 30) == generate(model, prompt, 30)
         assert len(set(tokens)) > 3
+
+
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # a laptop without AVX-512
+COMPILED_VS_GENERATE = """
+import torch
+from minillm import build_model, generate, get_config
+from minillm.fast.compiled import StaticDecoder
+torch.set_num_threads(1)
+model, prompt = build_model(get_config("tiny", n_layers=1)), list(range(16))
+decoder = StaticDecoder(model, 20)
+print(decoder.backend, decoder.generate(prompt, 4) == generate(model, prompt, 4))
+"""
+
+
+def run_compiled_vs_generate(cache_dir, isa: dict[str, str]) -> str:
+    """'backend agrees' from a fresh process with the CPU capability ``isa`` (none: native)."""
+    env = {k: v for k, v in os.environ.items() if k not in AVX2}
+    env.update(isa, TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
+    done = subprocess.run([sys.executable, "-c", COMPILED_VS_GENERATE], env=env,
+                          capture_output=True, text=True, timeout=300)
+    return done.stdout.strip() or done.stderr[-500:]  # a crash reports its error
+
+
+def test_compiled_step_gives_generate_tokens_under_avx2_after_a_native_run(tmp_path):
+    """The AVX2 run reads the inductor cache the native (on this CPU AVX-512) run filled. Its key
+    left out the vector width: the AVX2 run rebuilt 16-lane loops with 8-lane vectors and
+    decoded from NaN logits, token 0 instead of generate's second token."""
+    backend = "compile" if find_compiler(CPU) else "eager"
+    assert run_compiled_vs_generate(tmp_path, {}) == f"{backend} True"
+    assert run_compiled_vs_generate(tmp_path, AVX2) == f"{backend} True"
 
 
 def test_eos_stops_the_static_decoder(tiny_model):

@@ -122,6 +122,20 @@ def choose_backend(device: torch.device, backend: str = "auto") -> tuple[str, st
                      f"torch.compile cannot run")
 
 
+def cpu_vector_width() -> dict[str, int]:
+    """Inductor's option ``cpp.simdlen`` pinned to the vector width (bits) it picks now.
+
+    Inductor writes its C++ loops for the width that ``ATEN_CPU_CAPABILITY`` selects (16 floats
+    a vector on AVX-512, 8 on AVX2), but its FX graph cache key leaves the width out (torch
+    2.13): a graph cached by an AVX-512 run and reloaded under ``ATEN_CPU_CAPABILITY=avx2`` is
+    rebuilt with AVX2 flags, steps 16 floats with 8-float vectors and leaves half of each output
+    unwritten (NaN logits); the other way round it writes past its buffers. The key holds the
+    options, so with the width among them each ISA gets its own cache entry.
+    """
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    return {"cpp.simdlen": pick_vec_isa().bit_width()}  # 0 where it does not vectorize
+
+
 def compile_step(device: torch.device, backend: str):
     """``decode_step`` compiled for ``device`` (backend "compile"), or as it is."""
     if backend == "eager":
@@ -130,7 +144,7 @@ def compile_step(device: torch.device, backend: str):
         if find_compiler(device):
             return torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
         return torch.compile(decode_step, backend="cudagraphs", fullgraph=True)
-    return torch.compile(decode_step, fullgraph=True)
+    return torch.compile(decode_step, fullgraph=True, options=cpu_vector_width())
 
 
 class StaticDecoder:

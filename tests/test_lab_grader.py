@@ -85,7 +85,7 @@ def test_a_helper_in_its_own_cell_grades_as_in_the_live_notebook(tmp_path):
     live_reports = grade(live["apply_rope"], live["causal_attention"], live["next_token_probs"])
     reports, problems = grade_notebook(path)
     assert problems == []
-    assert _score(reports) == _score(live_reports) == (26, 26)
+    assert _score(reports) == _score(live_reports) == (27, 27)
 
 
 def test_a_time_magic_and_other_ipython_lines_grade_as_in_the_live_notebook(tmp_path):
@@ -189,7 +189,7 @@ def test_reference_code_is_flagged_however_it_is_reached(tmp_path, how):
     path, nb = _solved("lab2_1", tmp_path)
     nb["cells"][_index(path, "next_token_probs")]["source"] = "# YOUR CODE: task 4\n" + REFERENCE_CELLS[how]
     reports, problems = grade_notebook(_save(nb, path))
-    assert _score(reports) == (26, 26)
+    assert _score(reports) == (27, 27)
     assert problems == ["next_token_probs called minillm.sampling.filtered_probs: the checks compare with "
                         "minillm, so these points prove nothing; read the cell"]
 

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from minillm import ByteTokenizer, build_model
-from minillm.book.labs import TASKS, check, function_names, grade, lab2_1, lab2_2, lab2_3, lab2_4
+from minillm.book.labs import TASKS, check, function_names, grade, lab2_1, lab2_2, lab2_3, lab2_4, lab2_5
 from minillm.book.labs.__main__ import main as labs_cli
 from minillm.book.labs.batching import Spec, simulate
 from minillm.book.labs.checker import lab_tasks
 from minillm.book.labs.notebooks import defined_names, functions_from_notebook, grade_notebook, lab_cells
+from minillm.config import ModelConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LABS = sorted((ROOT / "book" / "labs").glob("lab*.ipynb"))
@@ -41,7 +42,7 @@ APPLY = _load(ROOT / "instructor" / "apply_solutions.py", "apply_solutions")
 
 
 def test_there_is_one_lab_per_notebook():
-    assert {"2.1", "2.2", "2.3", "2.4"} <= set(IDS.values())
+    assert {"2.1", "2.2", "2.3", "2.4", "2.5"} <= set(IDS.values())
     assert sorted(IDS.values()) == sorted({t.lab for t in TASKS.values()})
 
 
@@ -261,13 +262,36 @@ def test_payoffs_with_the_reference_solutions_on_the_tiny_model(capsys):
         100, 0.2, measured["output tokens / s"], 46080 * 1024, 8 * 10**9)
 
 
+def test_lab_2_5_payoff_runs_the_learners_weights_in_minillms_kernels(capsys):
+    """The learner's quantized weights go into Int8Linear and Int4Linear; the bytes of each model are the
+    learner's count, the bound and the rate the learner's functions."""
+    model, tok = build_model(ModelConfig(d_ff=512)), ByteTokenizer()  # int4 groups need widths of 32k
+    five = solutions("2.5")
+    models = lab2_5.quantized_models(model, five["quantize_int8"], five["quantize_int4"])
+    ids = torch.arange(24)[None]  # (1, 24)
+    with torch.inference_mode():
+        reference = model(ids).float()
+        for name in ("int8 (yours)", "int4 (yours)"):
+            error = (models[name](ids).float() - reference).norm() / reference.norm()
+            assert error < (0.05 if "int8" in name else 0.25), (name, float(error))
+    lab2_5.compare_quality(models, tok, "A short passage of text to score.", prompt="Hi", n=4)
+    speeds = lab2_5.compare_speed(models, tok, five["bytes_per_step"], five["predict_tokens_per_s"],
+                                  five["decode_tokens_per_s"], bandwidth=10e9, n=5, prompt="Hi")
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines() if line.split()[0] in ("float32", "int8", "int4")] \
+        == ["float32", "int8", "int4"] * 2
+    for name, m in models.items():
+        bound, measured = speeds[name]
+        assert bound == 10e9 / lab2_5.expected_bytes(m, len(tok.encode("Hi")) + 5 // 2) and measured > 0
+
+
 def test_grading_a_saved_notebook_from_the_command_line(capsys, tmp_path):
     path = LABS[0]
     solved = tmp_path / path.name
     APPLY.apply(path, solved)
     assert labs_cli(["grade", str(path), str(solved)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"total\s+0 / 26  \(0%\)", out) and re.search(r"total\s+26 / 26  \(100%\)", out)
+    assert re.search(r"total\s+0 / 27  \(0%\)", out) and re.search(r"total\s+27 / 27  \(100%\)", out)
 
 
 def test_grader_notes_a_lab_cell_that_calls_minillm(tmp_path):

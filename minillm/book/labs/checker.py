@@ -215,6 +215,27 @@ def _minillm_name(code) -> str | None:
     return None if module is None else f"{module}.{getattr(code, 'co_qualname', code.co_name)}"
 
 
+_ALLOWED: set[str] = set()  # minillm functions a learner may call: attributes, not the code under test
+_REFERENCES: dict = {}  # the labs' own reference code (code object -> name), flagged like minillm's
+
+
+def allow_uses(*names: str) -> None:
+    """Let the learner's code call these minillm functions unflagged ("minillm.model.CausalLM.dtype")."""
+    _ALLOWED.update(names)
+
+
+def reference(function: Callable) -> Callable:
+    """Mark a lab's own reference function: a learner's call to it is flagged like a call to minillm."""
+    _REFERENCES[function.__code__] = f"{function.__module__}.{function.__qualname__}"
+    return function
+
+
+def _reference_name(code) -> str | None:
+    """The name of minillm's code or a lab's reference that ``code`` belongs to, unless allowed; else None."""
+    name = _REFERENCES.get(code) or _minillm_name(code)
+    return None if name in _ALLOWED else name
+
+
 def _record(name: str, use: str) -> None:
     message = f"{name} {use}"
     if _uses is not None and message not in _uses:
@@ -233,7 +254,7 @@ def _watch_for_minillm(name: str):
 
     def profile(frame, event, arg):
         if event == "call":
-            reached = _minillm_name(frame.f_code)
+            reached = _reference_name(frame.f_code)
             if reached is not None and not frame.f_code.co_name.startswith("__"):  # not __init__ & co.
                 caller = frame.f_back
                 while caller is not None and not _is_learner_frame(caller.f_code.co_filename) \
@@ -260,7 +281,7 @@ def call(function: Callable, *args, **kwargs):
     """Call a learner's function; whatever it raises becomes a LearnerError with a readable message."""
     name = getattr(function, "__name__", "your function")
     code = getattr(function, "__code__", None)
-    own = _minillm_name(code) if code is not None else None
+    own = _reference_name(code) if code is not None else None
     if own is not None:
         _record(name, f"is {own} itself")
     try:

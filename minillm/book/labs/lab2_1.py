@@ -428,6 +428,20 @@ def _sampling_case(temperature, top_k, top_p, what, seed, rows=2, vocab=50):
     return run
 
 
+MAX_SUB_HINT = ("exp() of a logit in the hundreds overflows to inf, and inf / inf is NaN: subtract each "
+                "row's largest logit before exp (torch.softmax does), which leaves the softmax unchanged.")
+TOP_P_HINT = ("Sort the probabilities, add them up from the most likely; keep a token while the mass before "
+              "it is below p (so the token that crosses p stays), then renormalize.")
+RENORM_HINT = "After cutting the tail, divide the kept probabilities by their sum so that each row sums to 1."
+TEMPERATURE_HINT = "Divide the logits by the temperature before the softmax (not the probabilities)."
+
+
+def _large_logits(fns):
+    logits = randn(2, 50, seed=108) * 3 + 500  # a model's logits can sit far from 0
+    assert_close(_probs(fns, logits, 1.0, 0, 1.0), _expected(logits, 1.0, 0, 1.0),
+                 "the softmax of logits near 500", atol=1e-5, dims=("row", "token"))
+
+
 def _temperatures(fns):
     for temperature in (0.5, 2.0):
         _sampling_case(temperature, 0, 1.0, f"the distribution at temperature {temperature}", 105)(fns)
@@ -455,9 +469,10 @@ def _top_p_boundary(fns):
     kept = int((probs > 0).sum())
     if kept != 2:
         raise Mismatch(f"with probabilities 0.5, 0.3, 0.15, 0.05 and top_p=0.75, {kept} token(s) keep "
-                       "some probability")
+                       "some probability", TOP_P_HINT)
+    unnormalized = torch.tensor([[0.5, 0.3, 0.0, 0.0]])
     assert_close(probs, _expected(logits, 1.0, 0, 0.75), "the renormalized nucleus", atol=1e-5,
-                 dims=("row", "token"))
+                 dims=("row", "token"), bugs=((RENORM_HINT, lambda: unnormalized),))
 
 
 def _rows_apart(fns):
@@ -471,17 +486,14 @@ SAMPLING = Task("next_token_probs", "2.1", ("next_token_probs",), (
              "Turn logits into probabilities with a softmax over the last dimension.", _probs_valid),
     Property("temperature 1 with no cuts is the softmax of the logits",
              "With top_k 0 and top_p 1.0 nothing is cut.", _sampling_case(1.0, 0, 1.0, "the softmax", 104)),
-    Property("temperature divides the logits: 0.5 sharpens, 2.0 flattens",
-             "Divide the logits by the temperature before the softmax (not the probabilities).",
-             _temperatures),
+    Property("logits in the hundreds give the same softmax (no overflow)", MAX_SUB_HINT, _large_logits),
+    Property("temperature divides the logits: 0.5 sharpens, 2.0 flattens", TEMPERATURE_HINT, _temperatures),
     Property("temperature 0 is greedy: all the mass on the largest logit",
              "Dividing by 0 is not defined: treat temperature 0 as its own case (a one-hot row).", _greedy),
     Property("top-k keeps the k most likely tokens, renormalized",
              "Set every logit below the k-th largest to -inf before the softmax; top_k 0 means no cut.",
              _sampling_case(1.0, 5, 1.0, "the top-5 distribution", 106)),
-    Property("top-p keeps the smallest set of most likely tokens whose mass reaches p",
-             "Sort the probabilities, add them up from the most likely; keep a token while the mass "
-             "before it is below p (so the token that crosses p stays), then renormalize.",
+    Property("top-p keeps the smallest set of most likely tokens whose mass reaches p", TOP_P_HINT,
              _top_p_boundary),
     Property("temperature, then top-k, then top-p, together",
              "Apply them in this order: temperature on the logits, top-k on the logits, softmax, top-p "

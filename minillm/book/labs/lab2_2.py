@@ -31,15 +31,29 @@ BHLD = ("row", "kv head", "position", "element")
 
 # --- write_kv ----------------------------------------------------------------------------------------
 
+INPLACE_HINT = ("Assign into the cache tensor you are given (cache[...] = ...): the model keeps that tensor, "
+                "so a new one that you return is never read.")
+ORDER_HINT = "Positions say where each entry goes; the t-th new entry is not at index t."
+ROW0_WRITE_HINT = "positions is (B, T) and differs per row: one index per row, not positions[0] for all."
+SHIFT_HINT = "Positions count from 0: the entry at position p goes to index p of the cache, not p + 1."
+
+
 def _write(fns, cache, new, positions):
     """Run the learner's write_kv on a copy of ``cache``; the copy after the call."""
     target, before = cache.clone(), cache.clone()
     returned = call(fns["write_kv"], target, new.clone(), positions.clone())
     if torch.equal(target, before):
         extra = " (it returned a new tensor instead)" if isinstance(returned, torch.Tensor) else ""
-        raise LearnerError("write_kv left the cache passed in unchanged" + extra + "; the model keeps "
-                           "using that same tensor, so write into it")
+        raise Mismatch("write_kv left the cache passed in unchanged" + extra + "; the model keeps "
+                       "using that same tensor, so write into it", INPLACE_HINT)
     return target
+
+
+def _write_bugs(cache, new, positions):
+    B, T = positions.shape
+    return ((ORDER_HINT, lambda: _expected_write(cache, new, torch.arange(T).expand(B, T))),
+            (ROW0_WRITE_HINT, lambda: _expected_write(cache, new, positions[:1].expand(B, T))),
+            (SHIFT_HINT, lambda: _expected_write(cache, new, positions + 1)))
 
 
 def _expected_write(cache, new, positions):
@@ -55,7 +69,7 @@ def _write_case(b, t, positions, what, seed):
         cache, new = randn(b, 2, 10, 4, seed=seed), randn(b, 2, t, 4, seed=seed + 1)
         positions_t = torch.tensor(positions)
         assert_close(_write(fns, cache, new, positions_t), _expected_write(cache, new, positions_t), what,
-                     atol=0, dims=BHLD)
+                     atol=0, dims=BHLD, bugs=_write_bugs(cache, new, positions_t))
     return run
 
 
@@ -77,11 +91,9 @@ WRITE_HINT = "Index the position axis (dim 2) with positions row by row: new[b, 
 WRITE = Task("write_kv", "2.2", ("write_kv",), (
     Property("a prefill writes T entries at positions 0..T-1", WRITE_HINT,
              _write_case(1, 3, [[0, 1, 2]], "the cache after a 3-token prefill", 110)),
-    Property("a decode step: each row writes one entry at its own position",
-             "positions is (B, T) and differs per row: one index per row, not positions[0] for all.",
+    Property("a decode step: each row writes one entry at its own position", ROW0_WRITE_HINT,
              _write_case(3, 1, [[5], [0], [2]], "the cache after rows write at positions 5, 0, 2", 112)),
-    Property("a chunk that continues a row writes at positions 4, 5, 6",
-             "Positions say where each entry goes; the t-th new entry is not at index t.",
+    Property("a chunk that continues a row writes at positions 4, 5, 6", ORDER_HINT,
              _write_case(1, 3, [[4, 5, 6]], "the cache after a chunk at positions 4..6", 114)),
     Property("rows at different positions in one multi-token write", WRITE_HINT,
              _write_case(2, 3, [[0, 1, 2], [5, 6, 7]], "the cache after rows write 0..2 and 5..7", 116)),
@@ -126,8 +138,12 @@ def _read_valid(fns):
     wrong = (valid != _expected_valid(lengths, 9)).nonzero()
     if len(wrong):
         row, position = (int(i) for i in wrong[0])
+        hint = VALID_LE_HINT if torch.equal(valid, torch.arange(9)[None, :] <= lengths[:, None]) else None
         raise Mismatch(f"for rows of lengths 4, 9, 6, valid[{row}, {position}] is {bool(valid[row, position])}"
-                       f" ({len(wrong)} wrong entries)")
+                       f" ({len(wrong)} wrong entries)", hint)
+
+
+VALID_LE_HINT = "A row of length n holds positions 0..n-1: position j is valid when j < n, not j <= n."
 
 
 def _read_edges(fns):
@@ -255,11 +271,18 @@ def _expected_bytes(layers, kv_heads, head_dim, seq_len, batch, elem):
     return reference_kv_bytes(config, seq_len, batch, DTYPES[elem])
 
 
+KV_TWO_HINT = "The cache holds K and V: two tensors per layer, so the factor 2."
+PER_ELEMENT_HINT = "Multiply by bytes_per_element: the formula counts bytes, not elements."
+
+
 def _bytes_case(args, what):
     def run(fns):
         got, expected = _bytes(fns, *args), _expected_bytes(*args)
         if got != expected:
-            raise Mismatch(f"{what}: got {got:,} bytes, expected {expected:,}")
+            other = 4 if args[-1] != 4 else 2  # the same cache at another element size
+            ignores_size = _bytes(fns, *args[:-1], other) == got
+            hint = PER_ELEMENT_HINT if ignores_size else KV_TWO_HINT if 2 * got == expected else None
+            raise Mismatch(f"{what}: got {got:,} bytes, expected {expected:,}", hint)
     return run
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 
 from ...analysis.capacity import plan_capacity, plan_for_slo
 from ...analysis.metrics import SLO, RequestTiming, e2e_latency, serving_metrics
 from ...analysis.metrics import itls as reference_itls
 from ...analysis.metrics import tpot as reference_tpot
 from ...analysis.metrics import ttft as reference_ttft
+from ...analysis.roofline import time_decode_step
 from .cases import show_text
 from .checker import LearnerError, Mismatch, Property, Task, call, expect_number, register, wrong_value
 
@@ -39,13 +41,23 @@ def _same(got: float, expected: float, what: str) -> None:
         raise Mismatch(f"{what}: got {got:.6g}")
 
 
-def _per_request(name, reference, requests, what):
+def _per_request(name, reference, requests, what, bugs=()):
+    """Each request's value against the reference; ``bugs``: (hint, what that bug computes) for the hint."""
     def run(fns):
         for request in requests:
-            _same(_value(fns, name, request), reference(request),
-                  f"{what} of a request arriving at {request.arrival_time} s with tokens at "
-                  f"{list(request.token_times)} s")
+            got, expected = _value(fns, name, request), reference(request)
+            if not math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12):
+                hint = next((h for h, bug in bugs if math.isclose(got, bug(request), rel_tol=1e-9)), None)
+                raise Mismatch(f"{what} of a request arriving at {request.arrival_time} s with tokens at "
+                               f"{list(request.token_times)} s: got {got:.6g}", hint)
     return run
+
+
+N_GAPS_HINT = "TPOT averages the time between tokens over one request; n tokens have n - 1 gaps."
+ARRIVAL_HINT = "Start from the first token's time, not the arrival: TPOT leaves out the wait and the prefill."
+TPOT_BUGS = ((N_GAPS_HINT, lambda r: (r.token_times[-1] - r.token_times[0]) / len(r.token_times)),
+             (ARRIVAL_HINT, lambda r: (r.token_times[-1] - r.arrival_time) / (len(r.token_times) - 1)),
+             (ARRIVAL_HINT, lambda r: (r.token_times[-1] - r.arrival_time) / len(r.token_times)))
 
 
 TTFT = Task("ttft", "2.4", ("ttft",), (
@@ -64,12 +76,10 @@ def _tpot_one(fns):
 
 
 TPOT = Task("tpot", "2.4", ("tpot",), (
-    Property("(last token - first token) / (tokens - 1), one value per request",
-             "TPOT averages the time between tokens over one request; n tokens have n - 1 gaps.",
-             _per_request("tpot", reference_tpot, [PROMPT, QUEUED], "TPOT")),
-    Property("excludes the first token: a late first token does not change it",
-             "Start from the first token's time, not the arrival.",
-             _per_request("tpot", reference_tpot, [SLOW_START], "TPOT")),
+    Property("(last token - first token) / (tokens - 1), one value per request", N_GAPS_HINT,
+             _per_request("tpot", reference_tpot, [PROMPT, QUEUED], "TPOT", TPOT_BUGS)),
+    Property("excludes the first token: a late first token does not change it", ARRIVAL_HINT,
+             _per_request("tpot", reference_tpot, [SLOW_START], "TPOT", TPOT_BUGS)),
     Property("is None (undefined) for a request with one token, not 0",
              "One token has no gap: return None.", _tpot_one),
 ))
@@ -147,10 +157,39 @@ THROUGHPUT = Task("throughput", "2.4", ("throughput",), (
 ))
 
 
+STRICT_HINT = "Meeting an objective means <=, not <: a request exactly at it meets it."
+SLOWEST_GAP_HINT = ("That is the slowest gap (an ITL objective): the TPOT objective applies to the request's "
+                    "mean gap, (last - first) / (n - 1).")
+FAILED_HINT = "A request with no token failed: it meets no objective, so it is never good."
+RATE_OF_HINT = "Goodput is a rate: divide the number of good requests by the duration, not by the request count."
+
+
+def _goodput_variant(requests, duration, ttft_slo, tpot_slo, strict=False, slowest=False, failed=False,
+                     fraction=False) -> float:
+    """The goodput a known bug computes."""
+    good = 0
+    for r in requests:
+        if not r.token_times:
+            good += failed
+            continue
+        gaps = reference_itls(r)
+        per_token = (max(gaps) if slowest else reference_tpot(r)) if gaps else None
+        meets = (lambda a, b: a < b) if strict else (lambda a, b: a <= b)
+        good += meets(reference_ttft(r), ttft_slo) and (per_token is None or meets(per_token, tpot_slo))
+    return good / (len(requests) if fraction else duration)
+
+
 def _good(fns, requests, duration, ttft_slo, tpot_slo, what):
     got = expect_number("goodput", call(fns["goodput"], list(requests), duration, ttft_slo, tpot_slo))
     expected = serving_metrics(requests, duration=duration, slo=SLO(ttft=ttft_slo, tpot=tpot_slo)).goodput
-    _same(got, expected, what)
+    if math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12):
+        return
+    bugs = ((SLOWEST_GAP_HINT, {"slowest": True}), (STRICT_HINT, {"strict": True}), (FAILED_HINT, {"failed": True}),
+            (RATE_OF_HINT, {"fraction": True}))
+    values = {h: _goodput_variant(requests, duration, ttft_slo, tpot_slo, **bug) for h, bug in bugs}
+    matches = [h for h, value in values.items() if math.isclose(got, value, rel_tol=1e-9)]
+    hint = matches[0] if len(matches) == 1 else None  # two bugs that give the same value: say neither
+    raise Mismatch(f"{what}: got {got:.6g}", hint)
 
 
 def _goodput_case(requests, ttft_slo, tpot_slo, what):
@@ -162,17 +201,14 @@ GOODPUT = Task("goodput", "2.4", ("goodput",), (
              "Count the requests whose TTFT and TPOT are both within their objective; divide by the "
              "duration.", _goodput_case([PROMPT, QUEUED, SLOW_START], 1.0, 0.0625,
                                          "goodput with TTFT <= 1 s and TPOT <= 62.5 ms")),
-    Property("a request exactly at an objective meets it",
-             "Meeting an objective means <=, not <.", _goodput_case([PROMPT, QUEUED], 0.75, 0.09,
-                                                                   "goodput with TTFT <= 0.75 s")),
+    Property("a request exactly at an objective meets it", STRICT_HINT,
+             _goodput_case([PROMPT, QUEUED], 0.75, 0.125, "goodput with TTFT <= 0.75 s and TPOT <= 125 ms")),
     Property("a one-token request has no TPOT, so it meets any TPOT objective",
-             "Only the TTFT objective applies to it.", _goodput_case([ONE, PROMPT], 0.5, 0.01,
-                                                                    "goodput with TPOT <= 10 ms")),
-    Property("a request with no token is never good",
-             "A failed request meets no objective.", _goodput_case([NONE, PROMPT], 1.0, 1.0,
-                                                                   "goodput with loose objectives")),
-    Property("TPOT is the request's mean gap, not its slowest ITL",
-             "One slow gap can break an ITL objective while the request's TPOT meets its own.",
+             "Only the TTFT objective applies to it: tpot returns None for it.",
+             _goodput_case([ONE, PROMPT], 0.5, 0.01, "goodput with TPOT <= 10 ms")),
+    Property("a request with no token is never good", FAILED_HINT,
+             _goodput_case([NONE, PROMPT], 1.0, 1.0, "goodput with loose objectives")),
+    Property("TPOT is the request's mean gap, not its slowest ITL", SLOWEST_GAP_HINT,
              _goodput_case([QUEUED], 1.0, 0.09, "goodput of a request with gaps 62.5, 62.5, 125 ms "
                                                 "against TPOT <= 90 ms")),
 ))
@@ -190,11 +226,25 @@ def _devices(fns, *args) -> int:
     return expect_number("devices_needed", call(fns["devices_needed"], *args), integer=True)
 
 
+CEIL_HINT = "Use the ceiling of a division (math.ceil); a whole number needs no extra device."
+PER_STREAM_HINT = ("A stream at the TPOT objective takes 1 / tpot_slo tokens per second, so a device keeps "
+                   "decode_tokens_per_s * tpot_slo streams (multiply, do not divide).")
+MEMORY_HINT = "A device holds kv_bytes_per_device // kv_bytes_per_request whole requests: memory can decide."
+
+
+def _plan_bugs(concurrency, tpot_slo, rate, request_bytes, device_bytes):
+    per_device = min(rate * tpot_slo, device_bytes // request_bytes)
+    return ((CEIL_HINT, int(concurrency / per_device)), (CEIL_HINT, int(concurrency / per_device) + 1),
+            (MEMORY_HINT, math.ceil(concurrency / (rate * tpot_slo))),
+            (PER_STREAM_HINT, math.ceil(concurrency / min(rate / tpot_slo, device_bytes // request_bytes))))
+
+
 def _plan_case(args, what):
     def run(fns):
         got, expected = _devices(fns, *args), _reference_devices(*args)
         if got != expected:
-            raise Mismatch(f"{what}: devices_needed says {got}")
+            hint = next((h for h, bug in _plan_bugs(*args) if bug == got and bug != expected), None)
+            raise Mismatch(f"{what}: devices_needed says {got}", hint)
     return run
 
 
@@ -223,17 +273,13 @@ def _plan_rounding(fns):
 
 PLAN = Task("devices_needed", "2.4", ("devices_needed",), (
     Property("returns an int (whole devices)", "Round up with math.ceil and return an int.", _plan_int),
-    Property("TPOT decides when memory is plentiful",
-             "A stream at the TPOT objective takes 1 / tpot_slo tokens per second of a device's "
-             "decode_tokens_per_s.", _plan_case((100, 0.03125, 1920.0, 10**8, 40 * 10**9),
-                                                 "100 streams, TPOT <= 31.25 ms, 1920 tokens/s a device")),
-    Property("memory decides when each request's KV cache is large",
-             "A device holds kv_bytes_per_device // kv_bytes_per_request whole requests.",
+    Property("TPOT decides when memory is plentiful", PER_STREAM_HINT,
+             _plan_case((100, 0.03125, 1920.0, 10**8, 40 * 10**9),
+                        "100 streams, TPOT <= 31.25 ms, 1920 tokens/s a device")),
+    Property("memory decides when each request's KV cache is large", MEMORY_HINT,
              _plan_case((64, 0.03125, 100000.0, 32 * 10**8, 44 * 10**9),
                         "64 requests of 3.2 GB on devices with 44 GB for KV")),
-    Property("rounds up to whole devices, and not when it divides exactly",
-             "Use the ceiling of a division; a whole number needs no extra device.",
-             _plan_rounding),
+    Property("rounds up to whole devices, and not when it divides exactly", CEIL_HINT, _plan_rounding),
     Property("raises ValueError when one request does not fit on a device",
              "If a device holds 0 requests, no number of devices serves them: raise ValueError with a "
              "message.", _plan_impossible),
@@ -264,14 +310,41 @@ def compare_metrics(records, duration: float, ttft_slo: float, tpot_slo: float, 
               1e3 * ref.e2e.mean, ref.request_throughput, ref.output_throughput, ref.goodput]
     print(f"{len(records)} requests, {ref.output_tokens} output tokens in {duration:.2f} s; "
           f"SLO: TTFT <= {ttft_slo * 1e3:.0f} ms, TPOT <= {tpot_slo * 1e3:.0f} ms")
-    print(f"{'':<26}{'yours':>12}{'minillm.analysis.metrics':>18}")
+    print(f"{'':<26}{'yours':>12}{'minillm.analysis.metrics':>26}")
     for (name, value), reference in zip(yours.items(), theirs):
-        print(f"{name:<26}{value:>12.2f}{reference:>18.2f}")
+        print(f"{name:<26}{value:>12.2f}{reference:>26.2f}")
     agree = all(math.isclose(a, b, rel_tol=1e-6) or (math.isnan(a) and math.isnan(b))
                 for a, b in zip(yours.values(), theirs))
     print("your metrics agree with minillm.analysis.metrics" if agree else "some of your metrics DIFFER from the "
           "reference on this run")
     return yours
+
+
+def _cpu_clock(device=None) -> float:
+    return time.process_time()  # one thread: the time this process computed, even on a shared machine
+
+
+def sustained_decode(model, tpot_slo: float, context_len: int,
+                     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> tuple[int, float, int | None]:
+    """The steady decode rate at the load a plan assigns a device: (the largest batch whose decode step
+    meets ``tpot_slo``, the tokens/s the device sustains there, the next batch, which missed; None if
+    none did). Each batch is a median of steady decode steps (no prefill, no idle time) of rows that
+    attend ``context_len`` positions; each row gets one token a step, so a step <= tpot_slo meets the
+    objective. Prints one line per batch."""
+    print(f"steady decode steps at a context of {context_len} tokens (median of 3, CPU time):")
+    best, missed = None, None
+    for batch in batches:
+        step = time_decode_step(model, context_len, batch, repeats=3, clock=_cpu_clock)
+        meets = step <= tpot_slo
+        print(f"    batch {batch:>3}: {step * 1e3:7.1f} ms a step, {batch / step:7.1f} tokens/s, "
+              f"{'meets' if meets else 'misses'} TPOT <= {tpot_slo * 1e3:.0f} ms")
+        if not meets:
+            missed = batch
+            break
+        best = (batch, batch / step)
+    if best is None:  # not even one stream meets the objective: the plan will say so
+        best = (batches[0], batches[0] / step)
+    return best[0], best[1], missed
 
 
 def compare_plan(devices_needed, concurrency: int, tpot_slo: float, decode_tokens_per_s: float,

@@ -12,7 +12,9 @@ from minillm.analysis.metrics import (
     e2e_latency,
     in_system,
     itls,
+    mean_in_system,
     serving_metrics,
+    steady_window,
     summarize,
     time_average,
     tpot,
@@ -174,9 +176,9 @@ def test_plan_reproduces_the_documents():
     assert p.devices == 2 and p.limited_by == "tpot" and p.ttft_estimate is None
 
 
-def test_plan_with_ttft():
+def test_plan_with_ttft_and_serial_prefill():
     kw = dict(concurrency=100, output_tokens=200, tpot_slo=0.030, decode_tokens_per_s=2000,
-              ttft_slo=0.300, prompt_tokens=1000, prefill_tokens_per_s=10_000)
+              ttft_slo=0.300, prompt_tokens=1000, prefill_tokens_per_s=10_000, prefill_overlap=False)
     p = plan_for_slo(**kw)
     assert p.request_time == pytest.approx(0.3 + 199 * 0.03)
     assert p.prefill_time == pytest.approx(0.1)
@@ -189,6 +191,40 @@ def test_plan_with_ttft():
     assert burst.ttft_estimate == pytest.approx(0.03 + 2 * 0.1)
     none = plan_for_slo(**{**kw, "prompt_tokens": 3000})  # 300 ms of prefill + one step > 300 ms
     assert none.devices is None and none.limited_by.startswith("ttft: one prompt")
+
+
+def test_plan_with_prefill_riding_in_the_decode_steps():
+    # A step of m rows takes max(memory m / 2000, compute m * (1 + 1000 x 30 ms / 6.27 s) / 10,000):
+    # each stream brings 4.78 prompt tokens a step, so compute caps m at 300 / 5.78 = 51.9 (memory: 60).
+    kw = dict(concurrency=100, output_tokens=200, tpot_slo=0.030, decode_tokens_per_s=2000,
+              ttft_slo=0.300, prompt_tokens=1000, prefill_tokens_per_s=10_000)
+    p = plan_for_slo(**kw)
+    assert p.prefill_overlap and p.streams_per_device == pytest.approx(300 / (1 + 30 / 6.27))
+    assert p.devices == 2 and p.limited_by == "tpot"  # serial prefill needs 4 (test above)
+    assert p.prefill_share == pytest.approx(50 / 6.27 * 0.1)  # what the prefills would take alone
+    short = plan_for_slo(**{**kw, "prompt_tokens": 100})  # compute cap 300 / 1.48 = 203: memory binds
+    assert short.streams_per_device == pytest.approx(60) and short.devices == 2
+    with pytest.raises(TypeError, match="prefill_overlap='yes'"):
+        plan_for_slo(**kw, prefill_overlap="yes")
+
+
+def test_steady_window_leaves_out_start_up_and_drain():
+    # Two users, closed loop, 1 s per request; the last request is slow (2 s), so the run drains.
+    run = [RequestTiming(a, [a + 0.5, f]) for a, f in [(0, 1), (0, 1), (1, 2), (1, 2), (2, 3), (2, 4)]]
+    w = steady_window(run)
+    assert (w.start, w.end, w.completions) == (1, 2, 2) and w.rate == pytest.approx(2.0)
+    assert w.good is None and w.goodput is None
+    tight = steady_window(run, slo=SLO(e2e=0.9))  # the two requests finishing at 2 s took 1 s each
+    assert tight.good == 0 and tight.goodput == 0.0
+    assert steady_window(run, slo=SLO(e2e=1.0)).goodput == pytest.approx(2.0)
+    m = serving_metrics(run)
+    assert m.request_throughput == pytest.approx(6 / 4)  # the whole run's rate counts the drain
+    assert mean_in_system(run, w.start, w.end) == pytest.approx(2.0)  # both users always inside
+    assert mean_in_system(run) == pytest.approx(m.request_throughput * m.e2e.mean)  # 7 / 4
+    with pytest.raises(ValueError, match="no steady window"):
+        steady_window([RequestTiming(0.0, [1.0]), RequestTiming(0.5, [2.0])])
+    with pytest.raises(ValueError, match="empty"):
+        mean_in_system(run, 2.0, 2.0)
 
 
 def test_plan_validation():

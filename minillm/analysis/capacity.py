@@ -64,28 +64,35 @@ class SLOPlan:
     request_time: float  # s a request takes at the SLO limits
     request_rate: float  # req/s the fleet completes at that concurrency (Little's law)
     decode_tokens_per_s_needed: float  # concurrency / tpot_slo, tokens/s over the fleet
-    streams_per_device: float  # concurrent streams one device keeps within TPOT (prefill time deducted)
+    streams_per_device: float  # concurrent streams one device keeps within TPOT, its prefills included
     devices_for_tpot: int
     prefill_time: float | None  # s for one prompt, alone
     prompts_per_device_within_ttft: int | None  # prompts one device can prefill together within TTFT
     devices_for_ttft: int | None
     devices: int | None  # None: no number of devices meets the TTFT SLO (one prefill is too slow)
-    prefill_share: float  # fraction of each device's time spent in prefill at ``devices``
+    prefill_share: float  # fraction of each device's time its prompts' prefill would take on its own
     ttft_estimate: float | None  # s: one decode step of waiting + the device's share of the burst's prefill
     limited_by: str  # "tpot", "ttft", or why there is no plan
+    prefill_overlap: bool  # the step model: prompt tokens ride in decode steps (True) or stall them
 
 
 def plan_for_slo(concurrency: int, output_tokens: int, tpot_slo: float, decode_tokens_per_s: float,
                  ttft_slo: float | None = None, prompt_tokens: int | None = None,
-                 prefill_tokens_per_s: float | None = None, burst: int = 1) -> SLOPlan:
+                 prefill_tokens_per_s: float | None = None, burst: int = 1,
+                 prefill_overlap: bool = True) -> SLOPlan:
     """Devices needed for ``concurrency`` simultaneous streams under a TPOT (and optionally TTFT) SLO.
 
     Model (stated, simple, per device; every running stream gets one token per decode step):
-      * a stream at the TPOT limit consumes 1 / tpot_slo tokens/s, so a device whose decode throughput is
-        ``decode_tokens_per_s`` keeps ``decode_tokens_per_s * tpot_slo`` streams, less the share of its time
-        spent prefilling new prompts (``prefill_share``);
+      * a device keeps m streams within TPOT when a step of m rows takes at most ``tpot_slo``. Its memory
+        time is ``m / decode_tokens_per_s`` (the sustained decode rate: weights and KV read once per step);
+        its compute time covers the m decode tokens and the prompt tokens that arrive meanwhile,
+        ``m / request_time * prompt_tokens * tpot_slo`` a step, at ``prefill_tokens_per_s``;
+      * ``prefill_overlap=True`` (continuous batching with mixed steps, as minillm's engine and vLLM run:
+        chapter 2.3's one step for both phases): prompt tokens ride in the decode steps, and a step takes
+        the larger of its memory and its compute time. ``False``: prefills run as separate steps that stall
+        decoding, and the two times add (prefill deducted from decode capacity, an upper bound on devices);
       * a request takes ``ttft_slo + (output_tokens - 1) * tpot_slo`` (or ``output_tokens * tpot_slo`` with
-        no TTFT SLO, as the source documents do), so the fleet completes ``concurrency / request_time``
+        no TTFT SLO, as the source does), so the fleet completes ``concurrency / request_time``
         requests/s (Little's law);
       * TTFT >= one decode step of waiting + the prefill of every prompt that arrives together on the
         device: ``burst`` prompts arriving at once, spread evenly, give ``ceil(burst / devices)`` each.
@@ -97,6 +104,8 @@ def plan_for_slo(concurrency: int, output_tokens: int, tpot_slo: float, decode_t
     check_number("tpot_slo", tpot_slo)
     check_number("decode_tokens_per_s", decode_tokens_per_s)
     check_int("burst", burst)
+    if not isinstance(prefill_overlap, bool):
+        raise TypeError(f"prefill_overlap={prefill_overlap!r} must be True or False")
     prefill_args = (ttft_slo, prompt_tokens, prefill_tokens_per_s)
     if any(a is not None for a in prefill_args) and any(a is None for a in prefill_args):
         raise ValueError("give ttft_slo, prompt_tokens and prefill_tokens_per_s together (or none of them); "
@@ -107,12 +116,14 @@ def plan_for_slo(concurrency: int, output_tokens: int, tpot_slo: float, decode_t
         check_int("prompt_tokens", prompt_tokens)
         check_number("prefill_tokens_per_s", prefill_tokens_per_s)
     request_time = (ttft_slo + (output_tokens - 1) * tpot_slo) if with_ttft else output_tokens * tpot_slo
-    streams = decode_tokens_per_s * tpot_slo  # without prefill
+    streams = decode_tokens_per_s * tpot_slo  # memory time alone: m / decode rate <= tpot
     prefill_time = prompt_tokens / prefill_tokens_per_s if with_ttft else None
     if with_ttft:
-        # m streams finish m / request_time requests/s, each needing prefill_time of the device:
-        # m <= streams * (1 - m * prefill_time / request_time)  =>  m <= streams / (1 + streams * p / W)
-        streams /= 1 + streams * prefill_time / request_time
+        prompt_per_row = prompt_tokens * tpot_slo / request_time  # prompt tokens per step, per stream
+        if prefill_overlap:  # compute time: m * (1 + prompt_per_row) / prefill rate <= tpot
+            streams = min(streams, tpot_slo * prefill_tokens_per_s / (1 + prompt_per_row))
+        else:  # m / decode rate + m * prompt_per_row / prefill rate <= tpot
+            streams /= 1 + streams * prefill_time / request_time
     devices_tpot = math.ceil(concurrency / streams)
     devices, limited_by, k_max, devices_ttft, ttft_est = devices_tpot, "tpot", None, None, None
     if with_ttft:
@@ -133,4 +144,5 @@ def plan_for_slo(concurrency: int, output_tokens: int, tpot_slo: float, decode_t
                    decode_tokens_per_s_needed=concurrency / tpot_slo, streams_per_device=streams,
                    devices_for_tpot=devices_tpot, prefill_time=prefill_time,
                    prompts_per_device_within_ttft=k_max, devices_for_ttft=devices_ttft, devices=devices,
-                   prefill_share=share, ttft_estimate=ttft_est, limited_by=limited_by)
+                   prefill_share=share, ttft_estimate=ttft_est, limited_by=limited_by,
+                   prefill_overlap=prefill_overlap)

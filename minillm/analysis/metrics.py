@@ -297,3 +297,60 @@ def in_system(requests: Sequence) -> tuple[list[float], list[int]]:
     return times_out, counts
 
 
+
+
+def mean_in_system(requests: Sequence, start: float | None = None, end: float | None = None) -> float:
+    """Time-averaged number of requests in the system between ``start`` and ``end`` (s): Little's L.
+
+    By default over the whole run, from the first arrival to the last token.
+    """
+    times, counts = in_system(requests)
+    start = times[0] if start is None else float(start)
+    end = times[-1] if end is None else float(end)
+    if not end > start:
+        raise ValueError(f"the window {start}..{end} s is empty")
+    before = [n for t, n in zip(times, counts) if t <= start]  # the count holding at `start`
+    inside = [(t, n) for t, n in zip(times, counts) if start < t < end]
+    return time_average([start] + [t for t, _ in inside],
+                        [before[-1] if before else 0] + [n for _, n in inside], end)
+
+
+@dataclass(frozen=True)
+class SteadyWindow:
+    """The part of a run between its start-up and its drain (seconds on the run's clock)."""
+
+    start: float  # the first completion: before it the run was filling up
+    end: float  # the last arrival: after it the run only drains
+    completions: int  # requests whose last token falls in (start, end]
+    good: int | None = None  # of those, the ones that meet every objective of the SLO given
+
+    @property
+    def rate(self) -> float:
+        """Requests completed per second inside the window: the run's steady throughput."""
+        return self.completions / (self.end - self.start)
+
+    @property
+    def goodput(self) -> float | None:
+        """Requests completed within the SLO per second inside the window (``None`` without an SLO)."""
+        return None if self.good is None else self.good / (self.end - self.start)
+
+
+def steady_window(requests: Sequence, slo: SLO | None = None) -> SteadyWindow:
+    """A run's steady window: from its first completion to its last arrival.
+
+    A whole-run rate divides by a duration that includes the start-up (nothing has finished yet) and the
+    drain (nothing arrives any more, and the batch empties); inside this window neither happens. A run whose
+    last request arrives before its first one finishes has no steady window: a ValueError.
+    """
+    requests = list(requests)
+    checked = [_times(r, i) for i, r in enumerate(requests)]
+    finishes = [times[-1] for _, times in checked if times]
+    if not finishes:
+        raise ValueError(f"{len(checked)} request(s), none with a token: the run has no steady window")
+    start, end = min(finishes), max(arrival for arrival, _ in checked)
+    if not end > start:
+        raise ValueError(f"the last arrival ({end} s) is not after the first completion ({start} s): "
+                         "the run has no steady window; send more requests")
+    inside = [r for r, (_, times) in zip(requests, checked) if times and start < times[-1] <= end]
+    good = None if slo is None else sum(slo.met_by(r) for r in inside)
+    return SteadyWindow(start, end, len(inside), good)

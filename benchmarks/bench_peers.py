@@ -32,19 +32,8 @@ INSTALL_HINT = (f'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON"
                 f"llama-cpp-python=={LLAMA_VERSION}  (a source build: several minutes; then pass this "
                 "environment's python as --llama-python, or install it into minillm's)")
 TARGET = 1.0  # minillm int4 tokens/s over llama.cpp's, at one thread
-# The last-level cache and the read probe live in minillm.analysis.roofline; they are imported when first used,
-# so the llama.cpp worker (a child of a Python that may lack torch) never imports minillm.
-FROM_ROOFLINE = {"parse_size": "parse_size", "llc_from_sysfs": "llc_from_sysfs", "llc_from_lscpu": "llc_from_lscpu",
-                 "last_level_cache": "last_level_cache", "probe_bytes": "read_probe_bytes",
-                 "UNKNOWN_LLC_PROBE_BYTES": "UNKNOWN_LLC_PROBE_BYTES", "measure_read_bandwidth": "measure_bandwidth"}
-
-
-def __getattr__(name: str):
-    if name in FROM_ROOFLINE:
-        from minillm.analysis import roofline
-
-        return getattr(roofline, FROM_ROOFLINE[name])
-    raise AttributeError(f"module 'bench_peers' has no attribute {name!r}")
+# The last-level cache and the read probe come from minillm.analysis.roofline, imported inside main(), so the
+# llama.cpp worker (a child of a Python that may lack torch) never imports minillm.
 
 
 # --- llama.cpp, in a child process of a Python that has it -------------------------------------------------

@@ -15,8 +15,8 @@ import torch
 from .config import ModelConfig
 from .validate import check_int
 
-# kernel(q (B, H, T, D), K (B, Hkv, S, D), V (B, Hkv, S, D), mask (B, 1, G*T, S) or None) -> (B, H, T, D)
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# kernel(q (B, H, T, D), K (B, Hkv, S, D), V (B, Hkv, S, D), mask (B, 1, G*T, S), SquareCausal or None) -> ...
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "Mask"], torch.Tensor]
 
 
 @runtime_checkable
@@ -70,20 +70,20 @@ def grouped(mask: torch.Tensor, groups: int) -> torch.Tensor:
     return mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(B, 1, groups * T, S)
 
 
-def attention_mask(positions: torch.Tensor, n_keys: int, groups: int, cached: bool) -> torch.Tensor | None:
-    """The causal mask of one forward pass, laid out for grouped heads: (B, 1, groups*T, n_keys), or None.
-
+def attention_mask(positions: torch.Tensor, n_keys: int, groups: int, cached: bool) -> Mask:
+    """The causal mask of one forward pass, laid out for grouped heads: (B, 1, groups*T, n_keys), None, or,
+    for a fresh prompt (every row at 0..T-1, no earlier keys), a ``SquareCausal`` that the kernel never builds.
     Keys are indexed by position. With a cache, key j is visible to a query at position p iff j <= p
     (``causal_mask``); a decode step whose rows all sit at the last position sees every key, so it
     needs no mask at all. Without a cache the keys are the queries themselves.
     """
     T = positions.shape[1]
-    if cached:
-        if T == 1 and n_keys - 1 == int(positions.min()):
-            return None
-        mask = causal_mask(positions, n_keys)  # (B, 1, T, S)
-    else:
-        mask = causal_mask(positions, T) if _is_arange(positions) else _pairwise_mask(positions)
+    if T > 1 and n_keys == T and _is_arange(positions):
+        return SquareCausal(T, groups, positions.device)  # attention skips the masked half
+    if cached and T == 1 and n_keys - 1 == int(positions.min()):
+        return None
+    # (B, 1, T, S); a call without a cache whose positions are not 0..T-1 masks pair by pair
+    mask = causal_mask(positions, n_keys) if cached else _pairwise_mask(positions)
     return grouped(mask, groups)
 
 
@@ -220,3 +220,24 @@ class KVCache:
         top = self._top(positions)
         shared = positions[0] if bool((positions == positions[:1]).all()) else None  # (T,) or None
         return _Writes(positions, top + 1, shared)
+
+
+# --- a fresh prompt's mask, left implicit ----------------------------------------------------------------
+
+class SquareCausal(NamedTuple):
+    """The causal mask of a fresh prompt, not built: every row's T queries sit at positions 0..T-1 and see
+    those T keys, query t the keys 0..t. ``Attention.kernel`` hands it to
+    ``scaled_dot_product_attention(is_causal=True)``, which never computes the masked half of the scores
+    (FlashAttention's causal kernel, as vLLM uses for prefill); ``dense`` is the explicit mask it stands for.
+    """
+    length: int  # T: queries and keys
+    groups: int  # query heads per kv head: the (g, t) row order of ``grouped``
+    device: torch.device
+
+    def dense(self) -> torch.Tensor:
+        """The explicit mask: (1, 1, groups*T, T), rows ordered (g, t)."""
+        positions = torch.arange(self.length, device=self.device)[None]  # (1, T)
+        return grouped(causal_mask(positions, self.length), self.groups)
+
+
+Mask = torch.Tensor | SquareCausal | None  # what a view hands the kernel as one call's mask

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .cache import CacheView, NoCache
+from .cache import CacheView, Mask, NoCache, SquareCausal
 from .config import ModelConfig, get_config
 from .device import resolve_device, resolve_dtype
 from .validate import check_integer_tensor, check_seed, check_token_ids
@@ -114,12 +114,16 @@ class Attention(nn.Module):
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor | None) -> torch.Tensor:
+               mask: Mask) -> torch.Tensor:
         """q: (B, H, T, D) over k, v: (B, Hkv, S, D) -> (B, H, T, D).
 
         mask: (B, 1, G*T, S), True where a query may see a key (``cache.attention_mask``),
-        or None when every key is visible.
+        None when every key is visible, or a fresh prompt's ``SquareCausal``.
         """
+        if isinstance(mask, SquareCausal):
+            if self.impl == "sdpa" and not self.recording:  # the masked half is never computed
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            mask = mask.dense()
         B, _, T, _ = q.shape
         # GQA without copying K/V: the G query heads sharing a kv head become G*T rows of it.
         G, S = self.n_heads // self.n_kv_heads, k.shape[2]

@@ -1,5 +1,5 @@
-"""benchmarks/bench_peers.py's parts that need no timing: reading the last-level cache, sizing the read probe
-from it, and skipping llama.cpp (with how to install it) where ``import llama_cpp`` fails."""
+"""benchmarks/bench_peers.py's parts that need no timing: skipping llama.cpp (with how to install it) where
+``import llama_cpp`` fails, and its arguments (the cache and probe it reads are tested in test_roofline.py)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -9,50 +9,6 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import bench_peers  # noqa: E402  (a script folder, not a package)
-
-LSCPU = """Architecture:                            x86_64
-L1d cache:                               64 KiB (2 instances)
-L1i cache:                               64 KiB (2 instances)
-L2 cache:                                2 MiB (2 instances)
-L3 cache:                                32 MiB (1 instance)
-"""
-
-
-@pytest.mark.parametrize("text, expected", [("32768K", 32 * 2**20), ("32 MiB (1 instance)", 32 * 2**20),
-                                            ("1.5 MiB", 3 * 2**19), ("512 KB", 512 * 2**10), ("64", 64)])
-def test_cache_sizes_read_in_binary_units(text, expected):
-    assert bench_peers.parse_size(text) == expected
-
-
-def write_cache(root: Path, index: int, level: int, kind: str, size: str) -> None:
-    folder = root / f"index{index}"
-    folder.mkdir(parents=True)
-    for name, value in {"level": f"{level}\n", "type": f"{kind}\n", "size": f"{size}\n"}.items():
-        (folder / name).write_text(value)
-
-
-def test_sysfs_gives_the_highest_level_that_is_not_instructions(tmp_path):
-    write_cache(tmp_path, 0, 1, "Data", "32K")
-    write_cache(tmp_path, 1, 1, "Instruction", "32K")
-    write_cache(tmp_path, 2, 2, "Unified", "1024K")
-    write_cache(tmp_path, 3, 3, "Unified", "16384K")
-    size, text = bench_peers.llc_from_sysfs(tmp_path)
-    assert size == 16 * 2**20 and text.startswith("L3 16 MiB")
-    assert bench_peers.llc_from_sysfs(tmp_path / "absent") is None
-
-
-def test_lscpu_gives_the_last_level_and_the_probe_is_four_times_larger():
-    size, text = bench_peers.llc_from_lscpu(LSCPU)
-    assert size == 32 * 2**20 and "L3" in text and "lscpu" in text
-    assert bench_peers.llc_from_lscpu("Architecture: x86_64\n") is None
-    assert bench_peers.probe_bytes(size) >= 4 * size
-    assert bench_peers.probe_bytes(256 * 2**20) == 1024 * 2**20
-    assert bench_peers.probe_bytes(None) == bench_peers.UNKNOWN_LLC_PROBE_BYTES  # unknown: not assumed small
-
-
-def test_this_machine_reports_its_cache_or_says_it_does_not():
-    size, text = bench_peers.last_level_cache()
-    assert (size is None) == text.startswith("unknown")
 
 
 def test_a_python_without_llama_cpp_is_named_with_the_reason(tmp_path):

@@ -58,7 +58,7 @@ def test_toc_and_book_pages_match():
     pages = {str(p.relative_to(ROOT).with_suffix("")) for p in BOOK.rglob("*") if p.suffix in (".md", ".ipynb")
              and "_build" not in p.parts and ".ipynb_checkpoints" not in p.parts}
     assert in_toc == pages, f"missing pages: {in_toc - pages}; pages not in the toc: {pages - in_toc}"
-    assert len(CHAPTERS) == 5
+    assert len(CHAPTERS) == 6
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -6,6 +6,7 @@ import inspect
 import pytest
 import torch
 from conftest import SMALL, random_ids
+from test_model import CAUSAL, sdpa_spy
 
 import minillm.engine.paged_cache as paged_cache
 import minillm.model as model_module
@@ -94,6 +95,20 @@ def test_every_kind_of_view_gives_the_naive_logits(small_model):
     got = [small_model(ids[:, :6], torch.arange(6)[None], view)]
     got += [small_model(ids[:, t:t + 1], torch.tensor([[t]]), view) for t in range(6, 11)]
     torch.testing.assert_close(torch.cat(got, 1), naive, **ATOL)
+
+
+def test_a_paged_prompt_from_position_0_skips_the_masked_half(small_model, monkeypatch):
+    """The engine's first chunk of a prompt runs the causal kernel; later chunks keep their mask."""
+    calls = sdpa_spy(monkeypatch)
+    ids = random_ids(SMALL.vocab_size, (1, 11), seed=3)
+    paged, _, _ = paged_prefill(small_model, ids, [4, 4, 3])
+    n = SMALL.n_layers
+    assert calls == CAUSAL * n + [(False, "tensor")] * 2 * n
+    try:
+        eager = small_model.set_attention_impl("eager")(ids)  # explicit scores, mask and softmax
+    finally:
+        small_model.set_attention_impl("sdpa")
+    torch.testing.assert_close(paged, eager, **ATOL)
 
 
 def test_the_compiled_step_gives_the_models_logits(small_model):

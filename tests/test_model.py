@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minillm import KVCache, ModelConfig, build_model
+from minillm.cache import SquareCausal
 from minillm.model import RotaryEmbedding, apply_rotary
 
 F32 = dict(rtol=0, atol=1e-5)  # cached vs naive, eager vs sdpa: float32 rounding only
@@ -131,6 +132,57 @@ def test_eager_equals_sdpa(small_model):
         small_model.set_attention_impl("sdpa")
     torch.testing.assert_close(eager, sdpa, **F32)
     torch.testing.assert_close(cached_eager, sdpa, **F32)
+
+
+def sdpa_spy(monkeypatch) -> list[tuple[bool, str | None]]:
+    """Record (is_causal, the mask's kind: None or "tensor") for every scaled_dot_product_attention call."""
+    calls, real = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+        kind = None if attn_mask is None else "tensor"
+        calls.append((is_causal, kind))
+        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+CAUSAL = [(True, None)]  # one layer of a fresh prompt: the causal kernel ran, with no mask built
+
+
+def test_a_fresh_prompt_skips_the_masked_half_and_later_calls_keep_their_mask(small_model, monkeypatch):
+    calls, n = sdpa_spy(monkeypatch), SMALL.n_layers
+    ids = random_ids(SMALL.vocab_size, (2, 9))
+    cache = KVCache(SMALL, 2, 12)
+    seen = []
+    for chunk in (ids[:, :6], ids[:, 6:8], ids[:, 8:]):  # prefill, a chunk after 6 positions, decode
+        small_model(chunk, cache=cache)
+        seen.append(calls[:])
+        calls.clear()
+    small_model(ids)  # no cache, positions 0..8
+    assert seen == [CAUSAL * n, [(False, "tensor")] * n, [(False, None)] * n]
+    assert calls == CAUSAL * n
+    calls.clear()
+    small_model(ids, positions=torch.arange(9).flip(0).expand(2, 9))  # not 0..T-1: explicit mask
+    assert calls == [(False, "tensor")] * n
+
+
+def test_the_causal_kernel_equals_the_explicit_mask(small_model):
+    """A long prompt (many of the kernel's tiles): skipping the masked half changes nothing."""
+    attn, T, G = small_model.model.layers[0].self_attn, 300, SMALL.n_groups
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, SMALL.n_heads, T, SMALL.head_dim, generator=gen)  # (B, H, T, D)
+    k, v = (torch.randn(2, SMALL.n_kv_heads, T, SMALL.head_dim, generator=gen) for _ in "kv")
+    implicit = SquareCausal(T, G, q.device)
+    explicit = implicit.dense()  # (1, 1, G*T, T)
+    assert explicit.shape == (1, 1, G * T, T) and int(explicit.sum()) == G * T * (T + 1) // 2
+    torch.testing.assert_close(attn.kernel(q, k, v, implicit), attn.kernel(q, k, v, explicit), **F32)
+    ids = random_ids(SMALL.vocab_size, (2, SMALL.max_seq_len))
+    try:
+        eager = small_model.set_attention_impl("eager")(ids)  # explicit scores, mask and softmax
+    finally:
+        small_model.set_attention_impl("sdpa")
+    torch.testing.assert_close(small_model(ids), eager, **F32)
 
 
 def test_unknown_attention_impl(small_model):

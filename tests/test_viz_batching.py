@@ -4,6 +4,7 @@ from dataclasses import dataclass
 import matplotlib
 import pytest
 
+from minillm.book.instruments import serve_live
 from minillm.book.viz.batching import (
     SHARED,
     draw_batching_comparison,
@@ -11,6 +12,7 @@ from minillm.book.viz.batching import (
     pool_owners,
     slot_spans,
     token_steps,
+    ttft_steps,
 )
 from minillm.engine import Engine, Request
 from minillm.engine.workload import random_requests
@@ -30,6 +32,7 @@ class Step:  # the fields of minillm.engine.StepRecord that the timeline reads
 class Record:  # the fields of minillm.engine.RequestRecord that the timeline reads
     request_id: int
     token_times: list
+    arrival_time: float = 0.0
 
 
 @dataclass
@@ -51,6 +54,18 @@ def test_token_steps_assigns_each_token_to_the_step_that_ends_after_it():
     assert token_steps(run) == {0: [0, 1, 1], 1: []}
 
 
+def test_ttft_in_steps_counts_from_the_first_step_after_arrival():
+    steps = [Step(1.0, 1), Step(2.0, 1), Step(3.0, 1), Step(4.0, 1)]
+    run = Run([Record(0, [0.9], 0.0), Record(1, [3.5], 1.0), Record(2, [])], steps)
+    assert ttft_steps(run) == {0: 1, 1: 3}  # 1 arrived as step 0 ended: steps 1, 2 and 3
+
+
+def test_continuous_batching_gives_a_first_token_the_step_after_arrival(runs):
+    waited = {policy: ttft_steps(result) for policy, result in runs.items()}
+    assert set(waited["continuous"].values()) == {1}
+    assert max(waited["static"].values()) > 1 and min(waited["static"].values()) == 1
+
+
 def test_a_token_after_the_last_step_is_an_error():
     run = Run([Record(0, [0.5, 4.0])], [Step(1.0, 1), Step(2.0, 1)])
     with pytest.raises(ValueError, match="request 0 has a token at 4.0 s"):
@@ -70,7 +85,8 @@ def test_spans_reproduce_the_engine_step_records(runs, policy):
         assert len(slots) == len(set(slots)) and all(0 <= s < SLOTS for s in slots)
     for record in result.requests:
         busy = [s for s in spans if s.request_id == record.request_id and s.kind == "busy"]
-        assert sum(s.n_steps for s in busy) == len(record.output_ids)
+        assert sum(s.n_steps for s in busy) == len(record.output_ids)  # one token per step
+        assert len(busy) == 1 + record.preemptions  # unbroken from prefill to last token
 
 
 def test_static_holds_finished_rows_and_continuous_refills_them(runs):
@@ -167,3 +183,20 @@ def test_a_shared_block_is_drawn_as_shared():
     assert {bars.get_gid() for bars in ax.collections} == {"hold-A-0", "hold-A-1", "hold-shared-0",
                                                            "hold-B-2"}
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["A", "B", SHARED]
+
+
+def test_serve_live_notes_every_token_step_and_table(small_model):
+    requests = [Request(name, list(range(1, 9)), 24, ignore_eos=True) for name in "ABC"]
+    late = Request("late", list(range(2, 12)), 4, ignore_eos=True)
+    live = serve_live(Engine(small_model, max_batch_size=4, num_blocks=7, block_size=8), requests,
+                      late=late, at_step=3)
+    assert sorted(live.tokens) == ["A", "B", "C", "late"]
+    assert all(len(live.tokens[r.request_id]) == len(live.times[r.request_id]) == r.max_tokens
+               for r in requests + [late])
+    assert live.arrival is not None and live.times["late"][0] > live.arrival
+    assert len(live.steps) == len(live.tables) == len(live.held)
+    assert "late" not in live.tables[2] and any("late" in t for t in live.tables[3:])
+    assert any(step.n_preempted for step in live.steps)  # 3 x 4 blocks do not fit in 7
+    assert pool_owners(live.tables, 7)  # every table names blocks of the pool, none twice
+    roomy = Engine(small_model, max_batch_size=4, block_size=8).run(requests + [late])
+    assert {r.request_id: r.output_ids for r in roomy.requests} == dict(live.tokens)

@@ -1,8 +1,11 @@
 """Instruments that only the chapters use: counting the kernels a call runs, timing the engine's mixed step
-against separate calls, and reading which bfloat16 instructions the CPU reports."""
+against separate calls, serving an engine step by step while noting what each step did, and reading which
+bfloat16 instructions the CPU reports."""
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -103,3 +106,31 @@ def cpu_bfloat16_instructions() -> list[str] | None:
         return None
     names = ("avx512_bf16", "amx_bf16", "bf16")
     return sorted(flag for flag in set(flags) if flag in names)
+
+
+def serve_live(engine, requests, late=None, at_step: int = 0) -> SimpleNamespace:
+    """Serve ``requests`` with the engine's online interface (``add_request``, then ``step``
+    until nothing is unfinished); ``late`` arrives after ``at_step`` steps.
+
+    Returns what a chapter draws: ``times`` and ``tokens`` (per request id, each token's time
+    and id), ``steps`` (each step's ``StepRecord``), ``tables`` and ``held`` (after each step,
+    the block table and computed tokens of every running request, in order of admission) and
+    ``arrival`` (the engine clock when ``late`` was added, or None).
+    """
+    check_int("at_step", at_step, minimum=0)
+    live = SimpleNamespace(times=defaultdict(list), tokens=defaultdict(list), steps=[],
+                           tables=[], held=[], arrival=None)
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished():
+        if late is not None and len(live.steps) == at_step:
+            engine.add_request(late)
+            live.arrival = engine.clock()
+        for out in engine.step():  # one StepOutput per request that got a token
+            live.times[out.request_id].append(out.time)
+            live.tokens[out.request_id] += out.new_token_ids
+        live.steps.append(engine.last_step)
+        running = engine.scheduler.running
+        live.tables.append({s.request.request_id: list(s.block_table) for s in running})
+        live.held.append({s.request.request_id: s.num_computed for s in running})
+    return live

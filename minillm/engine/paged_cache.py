@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..cache import Kernel, attention_mask
+from ..cache import Kernel, Mask, attention_mask
 from ..config import ModelConfig
 
 
@@ -43,7 +43,7 @@ class _Slots(NamedTuple):
     positions: torch.Tensor
     write: torch.Tensor
     read: torch.Tensor
-    mask: torch.Tensor | None
+    mask: Mask
 
 
 class PagedCacheView:

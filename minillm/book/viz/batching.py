@@ -10,7 +10,7 @@ block table holds each block after each step (tables read from a running engine,
 """
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -55,6 +55,16 @@ def token_steps(result) -> dict:
                              f"after the last step ends ({ends[-1] if ends else 'no steps'} s)")
         found[record.request_id] = steps
     return found
+
+
+def ttft_steps(result) -> dict:
+    """Request id -> the engine steps from its arrival to its first token, that step included:
+    a TTFT counted in steps (1: admitted and prefilled in the first step after it arrived), the
+    same on every machine. Steps that ended at or before the arrival are not counted."""
+    ends = [step.time for step in result.steps]
+    first = token_steps(result)
+    return {r.request_id: first[r.request_id][0] - bisect_right(ends, r.arrival_time) + 1
+            for r in result.requests if r.token_times}
 
 
 def _runs(steps: list[int]) -> list[tuple[int, int]]:

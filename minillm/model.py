@@ -121,8 +121,10 @@ class Attention(nn.Module):
         None when every key is visible, or a fresh prompt's ``SquareCausal``.
         """
         if isinstance(mask, SquareCausal):
-            if self.impl == "sdpa" and not self.recording:  # the masked half is never computed
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if self.impl == "sdpa" and not self.recording:
+                # the masked half of the scores is never computed
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                      enable_gqa=True)
             mask = mask.dense()
         B, _, T, _ = q.shape
         # GQA without copying K/V: the G query heads sharing a kv head become G*T rows of it.

@@ -15,7 +15,7 @@ ALLOWED = {
     "fast": {"checkpoints"},
     "analysis": set(),
     "engine": set(),
-    "serving": {"engine", "analysis", "text", "checkpoints"},
+    "serving": {"engine", "analysis", "text", "checkpoints", "fast"},  # serve --precision loads fast's weights
     "apps": {"text", "checkpoints", "fast", "analysis", "engine", "serving"},  # demo, __main__, __init__
     "book": {"text", "checkpoints", "fast", "analysis", "engine", "serving", "apps"},
 }

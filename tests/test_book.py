@@ -197,3 +197,13 @@ def test_citations_link_to_entries_and_every_entry_is_cited():
         cited |= set(re.findall(r"\]\(#ref-([\w-]+)\)", text))
     assert cited - entries == set(), f"cited but not in references.md: {cited - entries}"
     assert entries - cited == set(), f"listed in references.md but cited nowhere: {entries - cited}"
+
+
+def test_notebooks_run_alone_in_ci():
+    """The chapters' claims compare timings: CI runs them after the library tests, in one process, no workers."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    addopts = re.search(r'^addopts = "(.*)"$', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M)[1]
+    assert not re.search(r"(^|\s)(-n|--numprocesses)\b", addopts), "workers would share the CPU with a notebook"
+    assert readme.index("pytest -n 2 tests") < readme.index("pytest book"), "library tests first, then the book"
+    assert "run_pytest -n 2 tests" in ci and re.search(r"^run_pytest book$", ci, re.M), "CI runs what README says"

@@ -1,6 +1,7 @@
 """The static decode step on the int4 model (the file's own 4-bit weights through the int4 kernel): eagerly it
-gives exactly the tokens of the int4 model's own ``generate``; compiled (where a C++ compiler exists) its logits
-agree within bfloat16 rounding and its tokens agree up to a near tie."""
+gives the tokens of the int4 model's own ``generate`` (the tiny model's exactly, SmolLM2's up to a near tie);
+compiled (where a C++ compiler exists) its logits agree within bfloat16 rounding and its tokens agree up to a
+near tie."""
 import pytest
 import torch
 from test_int4 import PROMPT, VOCAB, T, write_tiny_gguf
@@ -51,10 +52,14 @@ def test_the_eager_static_step_gives_the_tiny_int4_model_s_generate_tokens(tiny_
 
 
 def test_the_eager_static_step_gives_smollm2_int4_s_generate_tokens():
+    """The static step attends over its whole fixed-length cache, masked; generate over the positions so far:
+    the same sums in other shapes, rounded to bfloat16 in another order. The two agree up to token 16, where
+    the int4 model's top two tie (on an AMD EPYC all 32 agreed; on an Intel Xeon they split there)."""
     model, tokenizer = load_int4("smollm2-135m-instruct")
     prompt = tokenizer.encode(PROMPT)
     decoder = StaticDecoder(model, len(prompt) + 32, backend="eager")
-    assert decoder.generate(prompt, 32) == generate(model, prompt, 32, eos_token_id=None)
+    reference = generate(model, prompt, 32, eos_token_id=None)
+    assert_same_up_to_a_near_tie(model, prompt, reference, decoder.generate(prompt, 32), minimum=16)
 
 
 @pytest.mark.skipif(find_compiler(CPU) is None, reason="torch.compile needs a C++ compiler on the CPU")

@@ -50,6 +50,15 @@ def test_kernel_bars_carry_their_values():
     plt.close(fig)
 
 
+def test_kernel_bars_whose_bytes_fit_in_the_cache_are_hatched_and_marked():
+    fig, ax = plt.subplots()
+    plot_kernel_bandwidth(ax, {"big": (2e9, 0.1), "small": (20e6, 0.01)}, bandwidth=25e9,
+                          cache_bytes=32 * 2**20)
+    hatches = {t.get_text(): bar.get_hatch() for t, bar in zip(ax.get_yticklabels(), ax.patches)}
+    assert hatches == {"small (in cache)": "//", "big": ""}
+    plt.close(fig)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda ax: plot_bandwidth_law(ax, {}, 1e9), "points is empty"),
     (lambda ax: plot_bandwidth_law(ax, {"a": (0, 1.0)}, 1e9), "a bytes per step=0"),

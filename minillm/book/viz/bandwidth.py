@@ -52,15 +52,21 @@ def plot_bandwidth_law(ax, points: dict[str, tuple[float, float]], bandwidth: fl
 
 
 def plot_kernel_bandwidth(ax, kernels: dict[str, tuple[float, float]], bandwidth: float,
-                          title: str = "One weight, read at different speeds") -> None:
+                          title: str = "One weight, read at different speeds",
+                          cache_bytes: float | None = None) -> None:
     """``kernels``: name -> (bytes of the weight it reads, seconds per call). Bars of the
     achieved bandwidth (bytes / seconds, GB/s), each labelled with its value, the measured
-    read bandwidth as a dashed line."""
+    read bandwidth as a dashed line. A kernel whose bytes fit in ``cache_bytes`` (the
+    last-level cache) may read them from the cache when called again: its bar is hatched
+    and its name marked "in cache"."""
     _check_measured("kernels", kernels, ("bytes", "seconds"), bandwidth)
     names = list(kernels)[::-1]  # the first kernel on top
     achieved = [kernels[n][0] / kernels[n][1] / 1e9 for n in names]
     colors = [f"C{i}" for i in range(len(names))][::-1]
-    bars = ax.barh(names, achieved, color=colors)
+    in_cache = [cache_bytes is not None and kernels[n][0] <= cache_bytes for n in names]
+    labels = [n + " (in cache)" if cached else n for n, cached in zip(names, in_cache)]
+    bars = ax.barh(labels, achieved, color=colors,
+                   hatch=["//" if cached else "" for cached in in_cache])
     ax.bar_label(bars, labels=[f"{a:.1f}" for a in achieved], padding=3, fontsize=9)
     ax.axvline(bandwidth / 1e9, color="k", ls="--", lw=1.2,
                label=f"read bandwidth {bandwidth / 1e9:.1f} GB/s")

@@ -17,7 +17,15 @@ from minillm.engine.workload import poisson_arrivals, random_requests
 from minillm.sampling import SamplingParams
 from minillm.serving import bench as bench_client
 from minillm.serving.app import RECORDS_PAGE_MAX, create_app
-from minillm.serving.bench import compare_with_engine, fetch_engine_records, main, parse_slo, payload, run_benchmark
+from minillm.serving.bench import (
+    compare_with_engine,
+    fetch_engine_records,
+    main,
+    parse_slo,
+    payload,
+    run_benchmark,
+    sse_lines,
+)
 from minillm.serving.launch import free_port
 from minillm.text.byte import ByteTokenizer
 
@@ -490,3 +498,23 @@ def test_engine_records_are_read_from_every_page(tiny_model):
     first, last = records["cmpl-1"], records[f"cmpl-{finished[-1]}"]
     assert (first.arrival_time, first.token_times, first.prompt_len) == (1.0, [1.25, 1.5], 3)
     assert last.token_times == [finished[-1] + 0.25, finished[-1] + 0.5]
+
+
+def _lines(chunks: list[str]) -> list[str]:
+    async def chunked():
+        for chunk in chunks:
+            yield chunk
+
+    async def collect():
+        return [line async for line in sse_lines(chunked())]
+
+    return asyncio.run(collect())
+
+
+def test_sse_lines_split_at_cr_lf_lf_and_cr_only():
+    """A data line with U+2028 or U+0085 inside a JSON string (vLLM, like most servers, sends raw UTF-8) is one
+    line; httpx's iter_lines cut it into three, and the request counted as failed."""
+    text = 'data: {"text":"a\u2028b\x85c"}'
+    assert _lines([text + "\n\n"]) == [text, ""]
+    assert _lines(["data: 1\r", "\ndata: 2\rdata: 3\n"]) == ["data: 1", "data: 2", "data: 3"]
+    assert _lines(["data: x", "y\r\n", "\r\n", "data: [DONE]"]) == ["data: xy", "", "data: [DONE]"]

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from test_server import TIMEOUT, server, wait_until_idle  # noqa: F401 - the server fixture, reused
 
-from minillm.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
+from minillm.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body, sse
 
 HEADERS = {"Content-Type": "application/json"}
 
@@ -40,6 +40,14 @@ def greedy_completion(server, **extra) -> dict:  # noqa: F811
 def test_a_degenerate_temperature_or_top_p_is_greedy(server, extra):  # noqa: F811
     greedy = greedy_completion(server, temperature=0)["choices"][0]["token_ids"]
     assert greedy_completion(server, seed=5, **extra)["choices"][0]["token_ids"] == greedy
+
+
+def test_an_event_s_json_is_ascii_so_no_client_cuts_its_line():
+    """The tiny model's byte tokenizer can write U+0085 or U+2028; sent raw, httpx's iter_lines split the data
+    line there and this file's stream test failed on a truncated chunk."""
+    event = sse({"choices": [{"text": "a\u2028b\x85c\u00e9"}]})
+    assert event.isascii() and event.endswith("\n\n") and len(event.splitlines()) == 2
+    assert json.loads(event[6:])["choices"][0]["text"] == "a\u2028b\x85c\u00e9"
 
 
 def test_a_degenerate_request_leaves_the_streams_in_flight_alone(server):  # noqa: F811

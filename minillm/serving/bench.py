@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -230,6 +231,21 @@ def _check_chunk(chunk) -> tuple[list[dict], dict | None]:
     return choices or [], usage
 
 
+async def sse_lines(chunks):
+    """The lines of a server-sent event stream, split as the SSE format says: at CR LF, LF or CR only (not at
+    U+2028 or U+0085, which a server may send raw inside a JSON string). ``chunks``: an async iterator of text."""
+    pending = ""
+    async for chunk in chunks:
+        pending += chunk
+        held = pending.endswith("\r")  # maybe the first half of a CR LF: wait for the next chunk
+        *lines, pending = re.split(r"\r\n|\n|\r", pending[:-1] if held else pending)
+        pending += "\r" if held else ""
+        for line in lines:
+            yield line
+    if pending.rstrip("\r"):
+        yield pending.rstrip("\r")
+
+
 class _Stream:
     """What one request has received so far (kept when a deadline cuts it)."""
 
@@ -250,7 +266,7 @@ async def _receive(client, url: str, body: dict, t0: float, clock, idle_timeout:
             body = (await response.aread()).decode(errors="replace")
             raise ValueError(f"HTTP {response.status_code}: {body[:300]}")
         last_token = time.monotonic()
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response.aiter_text()):
             now = clock() - t0
             if idle_timeout is not None and time.monotonic() - last_token > idle_timeout:
                 raise StreamError(f"no token for {idle_timeout:g} s (the server kept the stream open without one)")

@@ -321,6 +321,8 @@ def _sendable(logprob: float) -> float:
 
 
 def sse(data: dict | str) -> str:
-    """One server-sent event: ``data: <json>`` and a blank line."""
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    """One server-sent event: ``data: <json>`` and a blank line. The JSON is ASCII (``\\uXXXX`` escapes):
+    clients that split lines as Python's ``str.splitlines`` does (httpx's ``iter_lines`` among them) would cut
+    a data line at a U+2028 or U+0085 in the text."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {text}\n\n"

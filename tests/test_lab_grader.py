@@ -98,8 +98,8 @@ def test_a_time_magic_and_other_ipython_lines_grade_as_in_the_live_notebook(tmp_
                                     "%time limit = 3\n" + "".join(nb["cells"][other]["source"]))
     reports, problems = grade_notebook(_save(nb, path))
     assert problems == []
-    names = ["ttft", "tpot", "itls", "e2e", "throughput", "goodput", "devices_needed"]
-    assert _score(reports) == _score(grade(*(live[n] for n in names))) == (21, 21)
+    names = ["ttft", "tpot", "itls", "e2e", "throughput", "goodput", "devices_needed", "knee"]
+    assert _score(reports) == _score(grade(*(live[n] for n in names))) == (27, 27)
 
 
 def test_an_error_in_a_magic_cell_names_the_cells_own_line(tmp_path):
@@ -235,7 +235,7 @@ def test_checks_and_scores_left_in_cells_raise_no_note_and_print_nothing(tmp_pat
     nb["cells"][index]["source"] += ("\n\nfrom minillm.book.labs import check, score\n"
                                      "check(write_kv)\nscore(write_kv)\nprint('debugging')\n")
     reports, problems = grade_notebook(_save(nb, path))
-    assert problems == [] and _score(reports) == (17, 17)
+    assert problems == [] and _score(reports) == (23, 23)
     assert capsys.readouterr().out == ""
 
 

@@ -146,7 +146,52 @@ def kv_elements(n_layers, n_kv_heads, head_dim, seq_len, batch_size, bytes_per_e
     return 2 * n_layers * n_kv_heads * head_dim * seq_len * batch_size
 
 
+def _paged(pool, block_table, new, positions, blocks_of=None, slots_of=None, rows_of=None):
+    block_size = pool.shape[2]
+    rows = torch.arange(positions.shape[0])[:, None] if rows_of is None else rows_of
+    blocks = block_table[rows, positions // block_size] if blocks_of is None else blocks_of(block_table, positions)
+    slots = positions % block_size if slots_of is None else slots_of(positions, block_size)
+    pool[blocks, :, slots] = new.transpose(1, 2)
+
+
+def paged_ignores_the_table(pool, block_table, new, positions):
+    _paged(pool, block_table, new, positions, blocks_of=lambda table, p: p // pool.shape[2])
+
+
+def paged_row_0_s_table(pool, block_table, new, positions):
+    _paged(pool, block_table, new, positions, rows_of=0)
+
+
+def paged_block_of_the_first_position(pool, block_table, new, positions):
+    rows = torch.arange(positions.shape[0])[:, None]
+    _paged(pool, block_table, new, positions,
+           blocks_of=lambda table, p: table[rows, p[:, :1] // pool.shape[2]].expand_as(p))
+
+
+def paged_slot_without_modulo(pool, block_table, new, positions):
+    _paged(pool, block_table, new, positions, slots_of=lambda p, size: p)
+
+
+def paged_block_and_slot_swapped(pool, block_table, new, positions):
+    rows = torch.arange(positions.shape[0])[:, None]
+    _paged(pool, block_table, new, positions, blocks_of=lambda table, p: table[rows, p % pool.shape[2]],
+           slots_of=lambda p, size: p // size)
+
+
+def paged_returns_a_copy(pool, block_table, new, positions):
+    copy = pool.clone()
+    _paged(copy, block_table, new, positions)
+    return copy
+
+
 WRONG_22 = {
+    "write_paged ignores the block table": ("write_paged", paged_ignores_the_table, L2.PAGED_TABLE_HINT),
+    "write_paged uses row 0's table": ("write_paged", paged_row_0_s_table, L2.PAGED_ROW_HINT),
+    "write_paged takes the first position's block": ("write_paged", paged_block_of_the_first_position,
+                                                     L2.PAGED_CROSS_HINT),
+    "write_paged slot without modulo": ("write_paged", paged_slot_without_modulo, L2.PAGED_SLOT_HINT),
+    "write_paged block and slot swapped": ("write_paged", paged_block_and_slot_swapped, L2.PAGED_SLOT_HINT),
+    "write_paged returns a copy": ("write_paged", paged_returns_a_copy, L2.PAGED_INPLACE_HINT),
     "write_kv ignores positions": ("write_kv", write_kv_from_zero, L2.ORDER_HINT),
     "write_kv at position + 1": ("write_kv", write_kv_one_past, L2.SHIFT_HINT),
     "write_kv returns a copy": ("write_kv", write_kv_returns_a_copy, L2.INPLACE_HINT),
@@ -236,7 +281,51 @@ def devices_ignore_memory(concurrency, tpot_slo, decode_tokens_per_s, kv_bytes_p
     return math.ceil(concurrency / (decode_tokens_per_s * tpot_slo))
 
 
+def _knee_walk(sweep, keep_up=0.9, strict=False, order=sorted):
+    best = None
+    for offered, completed in order(sweep):
+        if completed < keep_up * offered or (strict and completed <= keep_up * offered):
+            break
+        best = offered
+    return best
+
+
+def knee_strict(sweep, keep_up=0.9):
+    return _knee_walk(sweep, keep_up, strict=True)
+
+
+def knee_unsorted(sweep, keep_up=0.9):
+    return _knee_walk(sweep, keep_up, order=list)
+
+
+def knee_any_rate_kept(sweep, keep_up=0.9):
+    return max((offered for offered, completed in sweep if completed >= keep_up * offered), default=None)
+
+
+def knee_first_fall(sweep, keep_up=0.9):
+    return next((offered for offered, completed in sorted(sweep) if completed < keep_up * offered), None)
+
+
+def knee_returns_completed(sweep, keep_up=0.9):
+    return dict(sweep).get(_knee_walk(sweep, keep_up))
+
+
+def knee_fixed_fraction(sweep, keep_up=0.9):
+    return _knee_walk(sweep, 0.9)
+
+
+def knee_zero_for_none(sweep, keep_up=0.9):
+    return _knee_walk(sweep, keep_up) or 0.0
+
+
 WRONG_24 = {
+    "knee with >": ("knee", knee_strict, L4.KNEE_STRICT_HINT),
+    "knee without sorting": ("knee", knee_unsorted, L4.KNEE_SORT_HINT),
+    "knee at any rate kept": ("knee", knee_any_rate_kept, L4.KNEE_FIRST_FALL_HINT),
+    "knee at the first fall": ("knee", knee_first_fall, L4.KNEE_FALLING_HINT),
+    "knee returns the completion rate": ("knee", knee_returns_completed, L4.KNEE_OFFERED_HINT),
+    "knee ignores keep_up": ("knee", knee_fixed_fraction, L4.KNEE_ARG_HINT),
+    "knee 0 instead of None": ("knee", knee_zero_for_none, L4.KNEE_NONE_HINT),
     "tpot divides by n": ("tpot", tpot_over_n, L4.N_GAPS_HINT),
     "tpot from the arrival": ("tpot", tpot_from_arrival, L4.ARRIVAL_HINT),
     "goodput with <": ("goodput", _goodput(strict=True), L4.STRICT_HINT),

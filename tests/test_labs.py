@@ -239,7 +239,8 @@ def test_payoffs_with_the_reference_solutions_on_the_tiny_model(capsys):
     model, tok = build_model("tiny"), ByteTokenizer()
     one, two, four = solutions("2.1"), solutions("2.2"), solutions("2.4")
     lab2_1.write_text(model, tok, *one.values(), "Hello", max_new_tokens=8)
-    lab2_2.compare_generation(model, tok, *two.values(), ["Hi", "A longer prompt", "Mid"], max_new_tokens=6)
+    lab2_2.compare_generation(model, tok, two["write_kv"], two["read_kv"], two["kv_cache_bytes"],
+                              ["Hi", "A longer prompt", "Mid"], max_new_tokens=6)
     lab2_2.formula_table(two["kv_cache_bytes"])
     out = capsys.readouterr().out
     assert "the two agree on 8 of 8 tokens" in out
@@ -254,12 +255,28 @@ def test_payoffs_with_the_reference_solutions_on_the_tiny_model(capsys):
 
     run = Engine(model, max_batch_size=4, num_blocks=32, block_size=8).run(
         random_requests(6, (4, 12), (1, 6), seed=0))
-    metric_fns = {k: v for k, v in four.items() if k != "devices_needed"}
+    metric_fns = {k: v for k, v in four.items() if k not in ("devices_needed", "knee")}
     measured = lab2_4.compare_metrics(run.requests, run.wall_time, 1.0, 0.5, **metric_fns)
     assert "your metrics agree with minillm.analysis.metrics" in capsys.readouterr().out
     assert lab2_4.compare_plan(four["devices_needed"], 100, 0.2, measured["output tokens / s"],
                                46080 * 1024, 8 * 10**9) == lab2_4._reference_devices(
         100, 0.2, measured["output tokens / s"], 46080 * 1024, 8 * 10**9)
+
+
+def test_lab_2_2_pool_map_shows_each_row_in_its_blocks_in_table_order(capsys):
+    lab2_2.pool_map(solutions("2.2")["write_paged"])
+    out = capsys.readouterr().out
+    assert "physical block 7: 0:0  0:1  0:2  0:3" in out  # row 0's first block
+    assert "physical block 2: 0:4  0:5    .    ." in out  # its second, 2 slots free
+    assert "physical block 0: 1:8    .    .    ." in out and "physical block 5: 2:0  2:1  2:2    ." in out
+    assert out.count("physical block") == 10 and "physical block 1:   .    .    .    ." in out
+
+
+def test_lab_2_4_knee_of_a_measured_sweep(capsys):
+    capacity, sweep = lab2_4.rate_sweep(build_model("tiny"), loads=(0.25, 0.5, 2.0), n=32)
+    assert capacity > 0 and len(sweep) == 3 and all(o > 0 and c > 0 for o, c in sweep)
+    knee = lab2_4.compare_knee(solutions("2.4")["knee"], capacity, sweep)
+    assert knee == lab2_4._reference_knee(sweep) and "(same)" in capsys.readouterr().out
 
 
 def test_lab_2_5_payoff_runs_the_learners_weights_in_minillms_kernels(capsys):

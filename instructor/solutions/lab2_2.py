@@ -19,3 +19,11 @@ def read_kv(cache, lengths):
 def kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, batch_size, bytes_per_element):
     """Bytes of the K and V of batch_size sequences of seq_len tokens."""
     return 2 * n_layers * n_kv_heads * head_dim * seq_len * batch_size * bytes_per_element
+
+
+def write_paged(pool, block_table, new, positions):
+    """Write new keys (or values) into a paged pool through each row's block table, in place."""
+    block_size = pool.shape[2]
+    rows = torch.arange(positions.shape[0], device=pool.device)[:, None]  # (B, 1)
+    blocks = block_table[rows, positions // block_size]  # (B, T): each entry's physical block
+    pool[blocks, :, positions % block_size] = new.transpose(1, 2)  # (B, T, H_kv, D) placed by (block, slot)

@@ -52,3 +52,13 @@ def devices_needed(concurrency, tpot_slo, decode_tokens_per_s, kv_bytes_per_requ
                          f"{kv_bytes_per_device} B")
     by_rate = decode_tokens_per_s * tpot_slo
     return math.ceil(concurrency / min(by_rate, by_memory))
+
+
+def knee(sweep, keep_up=0.9):
+    """The highest offered rate the server keeps up with, at it and at every lower rate of the sweep."""
+    best = None
+    for offered, completed in sorted(sweep):
+        if completed < keep_up * offered:
+            break
+        best = offered
+    return best

@@ -329,7 +329,126 @@ FORMULA = Task("kv_cache_bytes", "2.2", ("kv_cache_bytes",), (
              _bytes_allocated),
 ))
 
-register(WRITE, READ, MODEL, FORMULA)
+
+# --- write_paged -----------------------------------------------------------------------------------------
+
+POOL = ("block", "kv head", "slot", "element")
+PAGED_TABLE_HINT = ("A row's logical block i lives in physical block block_table[b, i]: look the block up in "
+                    "the table instead of using i itself.")
+PAGED_ROW_HINT = "Each row has its own block table: index block_table with the row (block_table[b, ...])."
+PAGED_CROSS_HINT = ("Compute the block of every position (positions // block_size), not of the first one: a "
+                    "write of several tokens can cross into the row's next block.")
+PAGED_SLOT_HINT = "Inside its block a position sits at slot position % block_size."
+PAGED_INPLACE_HINT = ("Assign into the pool you are given (pool[...] = ...): the engine keeps that tensor, so a "
+                      "new one that you return is never read.")
+
+
+def _paged_reference(pool, block_table, new, positions, table=True, own_row=True, per_position=True,
+                     swapped=False):
+    """Where each entry goes, one by one; the flags switch off a part of the rule (the bugs' outputs)."""
+    out, block_size = pool.clone(), pool.shape[2]
+    for b in range(new.shape[0]):
+        for t in range(new.shape[2]):
+            p = int(positions[b, t])
+            logical = (int(positions[b, 0]) if not per_position else p) // block_size
+            at = p % block_size
+            if swapped:
+                logical, at = p % block_size, p // block_size
+            physical = int(block_table[b if own_row else 0, logical]) if table else logical
+            out[physical, :, at] = new[b, :, t]
+    return out
+
+
+def _paged_bugs(pool, block_table, new, positions):
+    return ((PAGED_TABLE_HINT, lambda: _paged_reference(pool, block_table, new, positions, table=False)),
+            (PAGED_ROW_HINT, lambda: _paged_reference(pool, block_table, new, positions, own_row=False)),
+            (PAGED_CROSS_HINT, lambda: _paged_reference(pool, block_table, new, positions, per_position=False)),
+            (PAGED_SLOT_HINT, lambda: _paged_reference(pool, block_table, new, positions, swapped=True)))
+
+
+def _write_paged(fns, pool, block_table, new, positions):
+    target, before = pool.clone(), pool.clone()
+    try:
+        returned = call(fns["write_paged"], target, block_table.clone(), new.clone(), positions.clone())
+    except LearnerError as error:  # a position used as a slot runs past the block
+        if isinstance(error.__cause__, IndexError) and int(positions.max()) >= pool.shape[2]:
+            raise Mismatch(str(error), PAGED_SLOT_HINT) from error
+        raise
+    if torch.equal(target, before):
+        extra = " (it returned a new tensor instead)" if isinstance(returned, torch.Tensor) else ""
+        raise Mismatch("write_paged left the pool passed in unchanged" + extra, PAGED_INPLACE_HINT)
+    return target
+
+
+def _paged_case(tables, positions, what, seed):
+    """Blocks of 4 slots in a pool of 12; ``tables``: each row's physical blocks, in logical order."""
+    def run(fns):
+        block_table, positions_t = torch.tensor(tables), torch.tensor(positions)
+        B, T = positions_t.shape
+        pool, new = randn(12, 2, 4, 3, seed=seed), randn(B, 2, T, 3, seed=seed + 1)
+        got = _write_paged(fns, pool, block_table, new, positions_t)
+        assert_close(got, _paged_reference(pool, block_table, new, positions_t), what, atol=0, dims=POOL,
+                     bugs=_paged_bugs(pool, block_table, new, positions_t))
+    return run
+
+
+def _paged_untouched(fns):
+    block_table, positions = torch.tensor([[7, 2], [5, 9]]), torch.tensor([[3, 4], [0, 1]])
+    pool, new = randn(12, 2, 4, 3, seed=160), randn(2, 2, 2, 3, seed=161)
+    got = _write_paged(fns, pool, block_table, new, positions)
+    written = {(7, 3), (2, 0), (5, 0), (5, 1)}  # (block, slot)
+    changed = {(int(b), int(s)) for b, s in ((got != pool).any(dim=(1, 3))).nonzero()}
+    if changed - written:
+        block, slot = sorted(changed - written)[0]
+        raise Mismatch(f"writing 4 entries also changed block {block}, slot {slot} "
+                       f"({len(changed - written)} slot(s) in all)")
+
+
+PAGED_HINT = ("new[b, :, t] goes to pool[block_table[b, p // block_size], :, p % block_size], "
+              "p = positions[b, t], block_size = pool.shape[2].")
+PAGED = Task("write_paged", "2.2", ("write_paged",), (
+    Property("a prefill into one row's first block", PAGED_HINT,
+             _paged_case([[6, 3, 0]], [[0, 1, 2]], "the pool after a 3-token prefill into block 6", 150)),
+    Property("the row's block table decides the physical block", PAGED_TABLE_HINT,
+             _paged_case([[6, 3, 0]], [[4, 5]], "the pool after writing positions 4, 5 (logical block 1)",
+                         152)),
+    Property("a write that crosses into the row's next block", PAGED_CROSS_HINT,
+             _paged_case([[6, 3, 0]], [[2, 3, 4, 5]], "the pool after writing positions 2..5", 154)),
+    Property("rows with their own block tables, at their own positions", PAGED_ROW_HINT,
+             _paged_case([[6, 3, 0], [1, 8, 11], [10, 4, 2]], [[9], [2], [5]],
+                         "the pool after rows write at positions 9, 2, 5", 156)),
+    Property("the slot inside a block is position % block_size", PAGED_SLOT_HINT,
+             _paged_case([[6, 3, 0], [1, 8, 11]], [[1, 2], [6, 7]], "the pool after rows write 1..2 and 6..7",
+                         158)),
+    Property("writes in place and leaves every other slot of the pool unchanged",
+             "Write only the slots the positions name; no slicing from 0, no zeroing of the rest.",
+             _paged_untouched),
+))
+
+register(WRITE, READ, MODEL, FORMULA, PAGED)
+
+
+def pool_map(write_paged, block_size: int = 4, num_blocks: int = 10) -> None:
+    """Three rows of 6, 9 and 3 tokens written through the learner's ``write_paged`` into a shuffled pool, one
+    token at a time as decode steps would; prints which row and position each physical block holds. Call it
+    once ``ready(write_paged)`` passes."""
+    if not ready(write_paged):
+        return
+    lengths, tables = (6, 9, 3), [[7, 2], [4, 9, 0], [5]]
+    width = max(len(t) for t in tables)
+    block_table = torch.tensor([t + [t[-1]] * (width - len(t)) for t in tables])  # (B, width), padded
+    pool = torch.full((num_blocks, 1, block_size, 1), -1.0)  # an entry stores row * 100 + position
+    for p in range(max(lengths)):
+        rows = [b for b, n in enumerate(lengths) if p < n]
+        for b in rows:
+            entry = torch.full((1, 1, 1, 1), float(b * 100 + p))
+            call(write_paged, pool, block_table[b:b + 1], entry, torch.tensor([[p]]))
+    print("block tables (logical -> physical): " + "; ".join(f"row {b}: {t}" for b, t in enumerate(tables)))
+    for block in range(num_blocks):
+        slots = [int(v) for v in pool[block, 0, :, 0].tolist()]
+        shown = " ".join("  . " if v < 0 else f"{v // 100}:{v % 100:<2}" for v in slots)
+        print(f"    physical block {block}: {shown}")
+    print("    (row:position in each of its slots; . is free)")
 
 
 # --- the payoff ---------------------------------------------------------------------------------------------

@@ -11,11 +11,13 @@ import statistics
 import time
 
 from ...analysis.capacity import plan_capacity, plan_for_slo
-from ...analysis.metrics import SLO, RequestTiming, e2e_latency, serving_metrics
+from ...analysis.metrics import SLO, RequestTiming, e2e_latency, serving_metrics, steady_window
 from ...analysis.metrics import itls as reference_itls
 from ...analysis.metrics import tpot as reference_tpot
 from ...analysis.metrics import ttft as reference_ttft
 from ...analysis.roofline import time_decode_step
+from ...engine import Engine, blocks_for
+from ...engine.workload import poisson_arrivals, random_requests
 from .cases import show_text
 from .checker import LearnerError, Mismatch, Property, Task, call, expect_number, register, wrong_value
 
@@ -285,7 +287,99 @@ PLAN = Task("devices_needed", "2.4", ("devices_needed",), (
              "message.", _plan_impossible),
 ))
 
-register(TTFT, TPOT, ITL, E2E, THROUGHPUT, GOODPUT, PLAN)
+
+# --- knee ----------------------------------------------------------------------------------------------
+
+def _walk(sweep, keep_up, strict=False):
+    """The last offered rate of ``sweep`` (in its order) before the first that falls behind."""
+    knee = None
+    for offered, completed in sweep:
+        if completed < keep_up * offered or (strict and completed == keep_up * offered):
+            break
+        knee = offered
+    return knee
+
+
+def _reference_knee(sweep, keep_up=0.9):
+    return _walk(sorted(sweep), keep_up)
+
+
+KNEE_STRICT_HINT = ("A run that completes exactly keep_up x offered keeps up: compare with >=, as an "
+                    "objective is met at its bound.")
+KNEE_SORT_HINT = "The sweep comes in any order: sort it by offered rate before walking up the loads."
+KNEE_FIRST_FALL_HINT = ("Stop at the first rate the server falls behind: a higher rate that happens to keep "
+                        "up after it is noise, not capacity. The knee is the last rate before the first fall.")
+KNEE_FALLING_HINT = ("Return the last offered rate that kept up, not the first one that fell behind: the knee "
+                     "is a rate the server still serves.")
+KNEE_OFFERED_HINT = "Return an offered rate (the load you can promise), not the completion rate measured there."
+KNEE_NONE_HINT = "When the server falls behind at the lowest rate already, no rate of the sweep is safe: return None."
+KNEE_ARG_HINT = "Use the keep_up argument you are given; the default 0.9 is only a default."
+
+
+def _first_fall(sweep, keep_up):
+    return next((offered for offered, completed in sorted(sweep) if completed < keep_up * offered), None)
+
+
+def _completed_at_knee(sweep, keep_up):
+    return dict(sweep).get(_reference_knee(sweep, keep_up))
+
+
+def _any_rate_kept(sweep, keep_up):
+    return max((offered for offered, completed in sweep if completed >= keep_up * offered), default=None)
+
+
+KNEE_BUGS = (  # (hint, what the bug returns)
+    (KNEE_STRICT_HINT, lambda sweep, keep_up: _walk(sorted(sweep), keep_up, strict=True)),
+    (KNEE_SORT_HINT, _walk),
+    (KNEE_FIRST_FALL_HINT, _any_rate_kept),
+    (KNEE_FALLING_HINT, _first_fall),
+    (KNEE_OFFERED_HINT, _completed_at_knee),
+    (KNEE_ARG_HINT, lambda sweep, keep_up: _reference_knee(sweep)),
+)
+
+
+def _knee_case(sweep, keep_up, what, hint=None):
+    def run(fns):
+        args = (list(sweep),) if keep_up is None else (list(sweep), keep_up)
+        got = call(fns["knee"], *args)
+        expected = _reference_knee(sweep, 0.9 if keep_up is None else keep_up)
+        if got is None or expected is None:
+            if got is not expected:
+                raise Mismatch(f"{what}: got {got!r}, expected {expected!r}",
+                               KNEE_NONE_HINT if expected is None else hint)
+            return
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            raise wrong_value("knee", got, "an offered rate (a number) or None")
+        if not math.isclose(got, expected):
+            k = 0.9 if keep_up is None else keep_up
+            found = next((h for h, bug in KNEE_BUGS
+                          if (b := bug(list(sweep), k)) is not None and math.isclose(got, b)), None)
+            raise Mismatch(f"{what}: got {got:g} req/s", found or hint)
+    return run
+
+
+KNEE_HINT = "Walk up the offered rates; the knee is the last one where completed >= keep_up x offered."
+SWEEP = [(10.0, 10.1), (20.0, 19.4), (30.0, 27.9), (40.0, 31.0), (50.0, 30.2)]  # offered, completed req/s
+KNEE = Task("knee", "2.4", ("knee",), (
+    Property("a sweep in order: the last offered rate the server keeps up with", KNEE_HINT,
+             _knee_case(SWEEP, None, "the knee of a sweep at 10..50 req/s")),
+    Property("a run completing exactly keep_up x offered keeps up", KNEE_STRICT_HINT,
+             _knee_case([(10.0, 10.0), (20.0, 18.0), (30.0, 20.0)], 0.9,
+                        "the knee where 20 req/s completes exactly 18")),
+    Property("the sweep in any order", KNEE_SORT_HINT,
+             _knee_case([SWEEP[3], SWEEP[0], SWEEP[4], SWEEP[2], SWEEP[1]], None,
+                        "the knee of the same sweep, shuffled")),
+    Property("the last rate before the first fall, even if a higher rate keeps up again", KNEE_FIRST_FALL_HINT,
+             _knee_case([(10.0, 10.0), (20.0, 15.0), (30.0, 29.5), (40.0, 30.0)], 0.9,
+                        "the knee of a sweep that falls at 20 and recovers at 30")),
+    Property("None when the server falls behind at the lowest rate", KNEE_NONE_HINT,
+             _knee_case([(10.0, 5.0), (20.0, 6.0)], 0.9, "the knee of a sweep that never keeps up")),
+    Property("uses the keep_up fraction it is given", KNEE_ARG_HINT,
+             _knee_case([(10.0, 6.0), (20.0, 11.0), (40.0, 15.0), (80.0, 16.0)], 0.5,
+                        "the knee at keep_up = 0.5")),
+))
+
+register(TTFT, TPOT, ITL, E2E, THROUGHPUT, GOODPUT, PLAN, KNEE)
 
 
 # --- the payoff ------------------------------------------------------------------------------------------
@@ -364,4 +458,45 @@ def compare_plan(devices_needed, concurrency: int, tpot_slo: float, decode_token
     if by_rate < 1:
         show_text("    ", "but a device that keeps less than one stream cannot meet the TPOT objective even "
                   "for one stream, so no number of such devices can: the plan needs faster devices")
+    return yours
+
+
+CHAT = dict(prompt_len=(16, 64), output_len=(8, 16))  # chapter 2.4's chat workload
+
+
+def _engine_run(model, requests, concurrency=None):
+    longest = max(len(r.prompt_ids) + r.max_tokens for r in requests)
+    engine = Engine(model, max_batch_size=8, num_blocks=8 * blocks_for(longest, 16))
+    return engine.run(requests, concurrency)
+
+
+def rate_sweep(model, loads=(0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0), n=64) -> tuple[float, list]:
+    """Chapter 2.4's load sweep on ``model``: (the capacity, a list of (offered, completed) req/s). The
+    capacity is a closed loop's steady-window rate (160 requests, 8 users); each load is an open-loop run of
+    ``n`` Poisson arrivals at that fraction of it, whose completions are counted in its steady window."""
+    requests = dict(vocab_size=model.config.vocab_size, **CHAT)
+    closed = _engine_run(model, random_requests(160, seed=11, **requests), concurrency=8)
+    capacity = steady_window(closed.requests).rate
+    sweep = []
+    for i, load in enumerate(loads):
+        arrivals = poisson_arrivals(n, load * capacity, seed=7 + i)
+        run = _engine_run(model, random_requests(n, seed=6, arrival_times=arrivals, **requests))
+        sweep.append(((n - 1) / arrivals[-1], steady_window(run.requests).rate))
+    return capacity, sweep
+
+
+def compare_knee(knee, capacity: float, sweep: list, keep_up: float = 0.9):
+    """The measured sweep, the learner's knee and minillm's. Call it once ``ready(knee)`` passes."""
+    print(f"capacity (closed loop, steady window): {capacity:.1f} req/s")
+    print(f"{'offered':>10}{'completed':>11}{'ratio':>8}")
+    for offered, completed in sorted(sweep):
+        print(f"{offered:10.1f}{completed:11.1f}{completed / offered:8.2f}")
+    yours, reference = call(knee, list(sweep), keep_up), _reference_knee(sweep, keep_up)
+    mark = "same" if yours == reference else "DIFFERENT"
+    def rate(value):
+        return "None" if value is None else f"{value:.1f} req/s"
+
+    print(f"knee (completed >= {keep_up:g} x offered): yours {rate(yours)}, minillm's {rate(reference)} ({mark})")
+    if reference is not None:
+        print(f"    the knee is {reference / capacity:.2f}x the closed loop's capacity")
     return yours

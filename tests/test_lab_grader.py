@@ -126,7 +126,7 @@ LOOPING_ADMIT = (
 
 
 def test_a_check_that_never_ends_is_stopped_and_reported(tmp_path, monkeypatch):
-    monkeypatch.setattr(checker, "TIME_LIMIT", 0.5)
+    monkeypatch.setattr(checker, "TIME_LIMIT", 2.0)
     path, nb = _solved("lab2_3", tmp_path)
     nb["cells"][_index(path, "admit")]["source"] = LOOPING_ADMIT
     reports, problems = grade_notebook(_save(nb, path))
@@ -135,9 +135,9 @@ def test_a_check_that_never_ends_is_stopped_and_reported(tmp_path, monkeypatch):
     admit = by_task["admit"]
     assert admit.timed_out and not admit.all_passed
     stopped = next(o for o in admit.outcomes if o.timed_out)
-    assert stopped.detail.startswith("did not finish within 0.5 s (stopped at line ")
+    assert stopped.detail.startswith("did not finish within 2 s (stopped at line ")
     assert "`" in stopped.detail and stopped.hint == checker.TIMEOUT_HINT
-    assert f"admit: the check '{stopped.name}' ran out of time (did not finish within 0.5 s)" in problems
+    assert f"admit: the check '{stopped.name}' ran out of time (did not finish within 2 s)" in problems
 
 
 def test_one_submission_cannot_stop_the_grading_of_the_others(tmp_path, capsys):
@@ -149,24 +149,24 @@ def test_one_submission_cannot_stop_the_grading_of_the_others(tmp_path, capsys):
     checks["cells"][_index(good, "admit")]["source"] = LOOPING_ADMIT
     paths = [_save(looping, tmp_path / "a_loops.ipynb"), _save(crashing, tmp_path / "b_crashes.ipynb"),
              _save(checks, tmp_path / "c_admit_loops.ipynb"), good]
-    status = labs_cli(["grade", *map(str, paths), "--timeout", "0.5", "--cell-timeout", "60",
-                       "--notebook-timeout", "20"])
+    status = labs_cli(["grade", *map(str, paths), "--timeout", "1", "--cell-timeout", "60",
+                       "--notebook-timeout", "30"])
     out = capsys.readouterr().out
     assert status == 1
-    assert re.search(r"a_loops.ipynb: NOT GRADED: grading stopped after 20 s", out)
+    assert re.search(r"a_loops.ipynb: NOT GRADED: grading stopped after 30 s", out)
     assert "b_crashes.ipynb: NOT GRADED: the grading process ended with exit code 3" in out
     assert re.search(r"c_admit_loops.ipynb\n  finished\s+6 / 6\n(.*\n)*?  preempt\s+4 / 4\n", out)
     assert ("admit: the check 'admits only what the free blocks hold' ran out of time (did not finish within "
-            "0.5 s)") in out
+            "1 s)") in out
     assert re.search(rf"{re.escape(str(good))}\n(.*\n)*?  total\s+22 / 22  \(100%\)", out)
 
 
 def test_a_looping_cell_is_stopped_and_the_rest_still_runs(tmp_path):
     path, nb = _solved("lab2_3", tmp_path)
     nb["cells"].insert(3, _cell("while True:\n    pass\n"))
-    reports, problems = grade_notebook(_save(nb, path), cell_seconds=0.5)
+    reports, problems = grade_notebook(_save(nb, path), cell_seconds=2.0)
     assert _score(reports) == (22, 22)
-    assert len(problems) == 1 and problems[0].startswith("cell 3 did not finish within 0.5 s (stopped at line")
+    assert len(problems) == 1 and problems[0].startswith("cell 3 did not finish within 2 s (stopped at line")
 
 
 REFERENCE_CELLS = {

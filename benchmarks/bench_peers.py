@@ -1,7 +1,8 @@
 """minillm against llama.cpp on the same GGUF file: decode tokens/s and the bandwidth each one uses.
 
 SmolLM2-135M-Instruct (the packaged Q4_1 file) through minillm in float32, bfloat16, int8 and int4 (the
-file's own 4-bit weights, ``minillm.fast.quant.load_precision``), eager and through the compiled static step
+file's own 4-bit weights, ``minillm.fast.quant.load_precision``: the block kernel, int8 activations, where the
+CPU has AVX2; also through PyTorch's int4 kernel, "int4 torch kernel"), eager and through the compiled static step
 (``minillm.fast.compiled.StaticDecoder``, where a C++ compiler exists), against llama.cpp (llama-cpp-python's
 ``Llama``) on the same file: the prompt "Once upon a time, in a small village," (minillm's token ids, fed to
 both), greedy, EOS off, 128 new tokens, at each thread count; the contenders alternate in every round, and the
@@ -158,6 +159,7 @@ def main(argv=None) -> int:
     from minillm.analysis.roofline import read_probe_bytes as probe_bytes
     from minillm.checkpoints.pretrained import gguf_path
     from minillm.fast.compiled import StaticDecoder
+    from minillm.fast.int4 import kernels_used, load_int4
     from minillm.fast.quant import PRECISIONS, load_precision, streamed_bytes
 
     n, path = args.new_tokens, gguf_path()
@@ -166,6 +168,9 @@ def main(argv=None) -> int:
           f"{args.threads}, {args.rounds} rounds; {path.name}; prompt {PROMPT!r}, greedy, EOS off, {n} new tokens")
     print(f"last-level cache: {llc_text}; read probe working set {probe_bytes(llc) / 2**20:.0f} MiB")
     models = {name: load_precision(precision=name)[0] for name in PRECISIONS}
+    if kernels_used(models["int4"]) != kernels_used(torch_kernel := load_int4(kernel="int4pack")[0]):
+        models["int4 torch kernel"] = torch_kernel  # the same blocks through PyTorch's int4 kernel
+    print(f"int4: {kernels_used(models['int4'])}")
     tokenizer = load_precision(precision="int4")[1]
     prompt = tokenizer.encode(PROMPT)
     context = len(prompt) + n // 2  # the mean context of the decode steps
@@ -214,12 +219,12 @@ def main(argv=None) -> int:
     print(f"\nload average at the end: {load:.1f} on {os.cpu_count()} CPUs" + (
         ": other programs shared the cores, so runs with as many threads as cores waited for them "
         "(CPU-time columns and 1-thread figures are steadier)" if load > os.cpu_count() - 0.5 else ""))
-    print(f"{'':>14} | threads | {'tok/s':>6} | ms/token | vs llama.cpp | tok/CPU-s | vs llama.cpp | MB/token | "
+    print(f"{'':>17} | threads | {'tok/s':>6} | ms/token | vs llama.cpp | tok/CPU-s | vs llama.cpp | MB/token | "
           f"{'GB/s':>5} | of read BW | same tokens as llama.cpp")
     speed = {key: tokens_per_s(n - 1, rs, "wall") for key, rs in results.items()}  # decode steps/s
     cpu_speed = {key: tokens_per_s(n - 1, rs, "cpu") for key, rs in results.items()}  # per CPU second
     for threads in args.thread_counts:
-        print(f"{'read BW':>14} | {threads:>7} | sum over {probe_bytes(llc) / 2**20:.0f} MiB: "
+        print(f"{'read BW':>17} | {threads:>7} | sum over {probe_bytes(llc) / 2**20:.0f} MiB: "
               f"{bandwidth[threads] / 1e9:.1f} GB/s" + (" (one core's figure)" if threads == 1 else ""))
         for name in [*contenders, *(["llama.cpp"] if llama else [])]:
             s, cs, key = speed[name, threads], cpu_speed[name, threads], (name, threads)
@@ -228,7 +233,7 @@ def main(argv=None) -> int:
             same = "" if not llama else next((f"{i}/{n}" for i, (a, b) in enumerate(
                 zip(tokens, results["llama.cpp", threads][0].tokens)) if a != b), f"{n}/{n}")
             used = step_bytes[name] * s
-            print(f"{name:>14} | {threads:>7} | {s:>6.1f} | {1e3 / s:>8.2f} | "
+            print(f"{name:>17} | {threads:>7} | {s:>6.1f} | {1e3 / s:>8.2f} | "
                   f"{(f'{s / peer:.2f}x' if peer else '-'):>12} | {cs:>9.1f} | "
                   f"{(f'{cs / cpu_peer:.2f}x' if cpu_peer else '-'):>12} | {step_bytes[name] / 1e6:>8.1f} | "
                   f"{used / 1e9:>5.1f} | {used / bandwidth[threads]:>10.0%} | {same}")

@@ -216,7 +216,8 @@ def test_bad_precision_arguments_exit_with_a_clear_message(args, message, capsys
 
 @pytest.mark.parametrize("precision, words", [
     ("int8", "precision: int8 (int8 weights, a bfloat16 scale per output row"),
-    ("int4", "precision: int4 (the file's own Q4_1 weights, bfloat16 activations; 212 layers int4pack"),
+    ("int4", "precision: int4 (the file's own Q4_1 weights, float32 activations; 210 layers blockdot (Q4_1 "
+             "blocks, int8 activations), 1 layer blockdot (Q8_0 blocks, int8 activations))"),
 ])
 def test_precision_prints_its_weights_and_the_same_timing_rows(precision, words, capsys):
     assert demo.main(["--precision", precision, "--max-new-tokens", "6", "--device", "cpu", "--compare"]) == 0

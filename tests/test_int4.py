@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from minillm import generate, load_pretrained
 from minillm.checkpoints.gguf import read_gguf, split_q4_1, split_q8_0, unpermute_rope_rows
 from minillm.checkpoints.hf import load_state_dict_into
+from minillm.fast.blockdot import BlockLinear
 from minillm.fast.int4 import (
     RAW_TYPES,
     Int4Linear,
@@ -172,20 +173,24 @@ def float32_model(path):
     return load_state_dict_into(empty_model(checkpoint.config), checkpoint.state_dict).eval().requires_grad_(False)
 
 
+@pytest.mark.parametrize("kernel", ["blockdot", "int4pack"])
 @pytest.mark.parametrize("tie", [False, True])
-def test_a_mixed_file_loads_q4_1_and_q8_0_as_blocks_and_f16_as_float(tmp_path, tie):
+def test_a_mixed_file_loads_q4_1_and_q8_0_as_blocks_and_f16_as_float(tmp_path, tie, kernel):
     path = tmp_path / "mixed.gguf"
     write_tiny_gguf(path, {"blk.0.attn_v.weight": T.Q8_0, "blk.1.ffn_down.weight": T.F16}, tie=tie)
     checkpoint = read_gguf(path, RAW_TYPES)
     assert checkpoint.raw["model.layers.0.self_attn.q_proj.weight"].type == "Q4_1"
     assert "model.layers.0.self_attn.q_proj.weight" not in checkpoint.state_dict  # no float32 detour
     assert "model.embed_tokens.weight" in checkpoint.state_dict  # a lookup table needs floats
-    model, reference = int4_model(checkpoint), float32_model(path)
+    model, reference = int4_model(checkpoint, kernel=kernel), float32_model(path)
     layers = model.model.layers
-    assert isinstance(layers[0].self_attn.q_proj, Int4Linear)
-    assert isinstance(layers[0].self_attn.v_proj, Int8AsInt4Linear)
+    q4_1, q8_0 = (BlockLinear, BlockLinear) if kernel == "blockdot" else (Int4Linear, Int8AsInt4Linear)
+    assert isinstance(layers[0].self_attn.q_proj, q4_1)
+    assert isinstance(layers[0].self_attn.v_proj, q8_0)
     assert isinstance(layers[1].mlp.down_proj, MatVecLinear)
-    assert isinstance(model.lm_head, Int8AsInt4Linear if tie else Int4Linear)
+    assert isinstance(model.lm_head, q8_0 if tie else q4_1)
+    if kernel == "blockdot":
+        assert layers[0].self_attn.v_proj.block_type == "Q8_0" and model.dtype == torch.float32
     # the un-permuted rows of the blocks are the float path's un-permuted rows
     for proj in ("q_proj", "k_proj"):
         ours = getattr(layers[1].self_attn, proj).dequantized(torch.float32)
@@ -194,7 +199,7 @@ def test_a_mixed_file_loads_q4_1_and_q8_0_as_blocks_and_f16_as_float(tmp_path, t
     ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         ours, theirs = model(ids).float(), reference(ids)
-    assert (ours - theirs).abs().max() < 0.1 * theirs.abs().max()  # bfloat16 activations through 2 layers
+    assert (ours - theirs).abs().max() < 0.1 * theirs.abs().max()  # bfloat16 or int8 activations, 2 layers
     assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() >= 0.9
 
 
@@ -246,38 +251,43 @@ def smollm2():
     return float32, int4, tokenizer
 
 
-def test_smollm2_int4_runs_every_matmul_through_the_kernel(smollm2):
+def test_smollm2_int4_runs_every_matmul_through_the_block_kernel(smollm2):
     float32, int4, _ = smollm2
-    assert kernels_used(int4) == {"int4pack (the int4 kernel on cpu)": 30 * 7 + 2}  # + the head's two planes
-    assert isinstance(int4.lm_head, Int8AsInt4Linear) and int4.dtype == torch.bfloat16
-    # Q4_1 is 0.625 bytes a weight; the Q8_0 head as two planes 1.25; the norms bfloat16
+    assert kernels_used(int4) == {"blockdot (Q4_1 blocks, int8 activations)": 30 * 7,
+                                  "blockdot (Q8_0 blocks, int8 activations)": 1}
+    assert isinstance(int4.lm_head, BlockLinear) and int4.dtype == torch.float32
+    # Q4_1 is 20 bytes a block of 32 (0.625 a weight), the Q8_0 head 34 (1.0625); the norms float32
     n_layer = sum(p.numel() for name, p in float32.named_parameters() if "layers" in name and "norm" not in name)
     head = float32.config.vocab_size * float32.config.d_model
     norms = (2 * 30 + 1) * 576
-    assert streamed_bytes(int4) == n_layer * 5 // 8 + head * 5 // 4 + 2 * norms
-    assert 100e6 < streamed_bytes(int4) < 0.2 * streamed_bytes(float32)
+    assert streamed_bytes(int4) == n_layer * 20 // 32 + head * 34 // 32 + 4 * norms
+    assert 95e6 < streamed_bytes(int4) < 0.2 * streamed_bytes(float32)
 
 
-def test_smollm2_int4_logits_agree_with_the_dequantized_float32_model(smollm2):
-    """The same weights (d and m rounded to bfloat16); the activations differ: bfloat16 carries 8 significant
-    bits, 2^-9 relative per rounding, through 30 layers. On logits of spread ~6 the mean |difference| was
-    0.14 and the max 0.95 (the bfloat16 variant's: 0.11 and 0.73), so the tolerance is mean < 0.25, max < 2."""
-    float32, int4, tokenizer = smollm2
+@pytest.mark.parametrize("kernel, mean, largest", [("blockdot", 0.25, 2.0), ("int4pack", 0.25, 2.0)])
+def test_smollm2_int4_logits_agree_with_the_dequantized_float32_model(smollm2, kernel, mean, largest):
+    """The same weights; the activations differ. The block kernel rounds them to int8 per 32 (float32
+    elsewhere): on logits of spread ~6 the mean |difference| was 0.16 and the max 1.06 (llama.cpp's own on
+    these tokens: 0.16 and 1.04). PyTorch's int4 kernel carries bfloat16, 8 significant bits, through 30
+    layers (d and m rounded to bfloat16 too): 0.14 and 0.95. Tolerance: mean < 0.25, max < 2."""
+    float32, _, tokenizer = smollm2
+    int4 = smollm2[1] if kernel == "blockdot" else load_int4("smollm2-135m-instruct", kernel=kernel)[0]
     from minillm.book.data import EVAL_TEXT
 
     ids = torch.tensor([tokenizer.encode(EVAL_TEXT)])[:, :64]
     with torch.inference_mode():
         reference, logits = float32(ids), int4(ids).float()
     error = (logits - reference).abs()
-    assert torch.isfinite(logits).all() and error.mean() < 0.25 and error.max() < 2.0
+    assert torch.isfinite(logits).all() and error.mean() < mean and error.max() < largest
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
 
 
 def test_smollm2_int4_greedy_tokens_over_128_steps(smollm2):
-    """Free-running, the two split at the first near tie and then write different (fine) stories; measured:
-    the first 16 of 128 agree, and at token 16 float32's two candidates are 0.005 apart (int4's: a tie),
-    far under the 0.25 that bfloat16 rounding flips. Given float32's own prefix, int4 picks float32's
-    token at 127 of the 128 steps (>= 95% asserted)."""
+    """Free-running, the two split at the first near tie and then write different (fine) stories; measured at
+    one thread: the first 5 of 128 agree, and at token 5 float32's two candidates are 0.10 apart, under the
+    0.25 that the activations' rounding flips (at two threads float32's own sums differ and the split came
+    at token 16, 0.005 apart). Given float32's own prefix, int4 picks float32's token at 124 of the 128 steps
+    (>= 95% asserted; PyTorch's int4 kernel, bfloat16 activations: 127)."""
     float32, int4, tokenizer = smollm2
     prompt = tokenizer.encode(PROMPT)
     reference = generate(float32, prompt, 128, eos_token_id=None)
@@ -288,7 +298,7 @@ def test_smollm2_int4_greedy_tokens_over_128_steps(smollm2):
             logits = float32(torch.tensor([prompt + reference[:first]]))[0, -1]
         gap = abs(float(logits[reference[first]] - logits[tokens[first]]))
         assert gap < 0.25, (first, gap)  # demo.NEAR_TIE[torch.bfloat16]
-    assert first >= 8
+    assert first >= 4
     assert greedy_match(int4, prompt, reference) >= 0.95
     assert "village" in tokenizer.decode(tokens) or sum(c.isalpha() for c in tokenizer.decode(tokens)) > 300
 
@@ -300,7 +310,7 @@ def test_load_precision_offers_the_four_precisions(smollm2):
     assert list(PRECISIONS) == ["float32", "bfloat16", "int8", "int4"]
     float32, _, _ = smollm2
     model, tokenizer = load_precision("smollm2-135m-instruct", "int4")
-    assert isinstance(model.lm_head, Int8AsInt4Linear)
+    assert isinstance(model.lm_head, BlockLinear)
     prompt = tokenizer.encode_chat("What is the capital of France?")
     reply = generate(float32, prompt, 24, eos_token_id=tokenizer.eos_token_id)
     assert "Paris" in tokenizer.decode(reply)
@@ -315,7 +325,7 @@ def test_cli_precision_int4_streams_text_and_prints_timings():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "device: cpu, precision: int4" in out and "threads: 1" in out
-    assert "int4 kernel" in out
+    assert "210 layers blockdot (Q4_1 blocks, int8 activations), 1 layer blockdot (Q8_0 blocks" in out
     assert re.search(r"^--- end: 16 tokens, stopped at --max-new-tokens 16 ---$", out, re.MULTILINE), out
     row = re.search(r"^cached .*?\)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)$", out, re.MULTILINE)
     assert row and min(map(float, row.groups())) > 0, out

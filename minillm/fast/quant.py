@@ -43,8 +43,9 @@ PRECISIONS: dict[str, str] = {  # what ``load_precision`` (and ``python -m minil
     "float32": VARIANTS["float32"],
     "bfloat16": "bfloat16 weights and activations, one token's matmuls as matrix-vector products",
     "int8": VARIANTS["int8"],
-    "int4": "the GGUF file's own Q4_1 weights (4 bits, a scale and a minimum per 32) through the int4 "
-            "kernel, its Q8_0 head as two 4-bit planes, bfloat16 activations",
+    "int4": "the GGUF file's own Q4_1 weights (4 bits, a scale and a minimum per 32) and Q8_0 head, through "
+            "the block kernel (int8 activations, float32 around it) where the CPU has AVX2, else PyTorch's int4 "
+            "kernel (bfloat16 activations, the head as two 4-bit planes)",
 }
 
 

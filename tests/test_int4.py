@@ -264,8 +264,8 @@ def test_smollm2_int4_runs_every_matmul_through_the_block_kernel(smollm2):
     assert 95e6 < streamed_bytes(int4) < 0.2 * streamed_bytes(float32)
 
 
-@pytest.mark.parametrize("kernel, mean, largest", [("blockdot", 0.25, 2.0), ("int4pack", 0.25, 2.0)])
-def test_smollm2_int4_logits_agree_with_the_dequantized_float32_model(smollm2, kernel, mean, largest):
+@pytest.mark.parametrize("kernel", ["blockdot", "int4pack"])
+def test_smollm2_int4_logits_agree_with_the_dequantized_float32_model(smollm2, kernel):
     """The same weights; the activations differ. The block kernel rounds them to int8 per 32 (float32
     elsewhere): on logits of spread ~6 the mean |difference| was 0.16 and the max 1.06 (llama.cpp's own on
     these tokens: 0.16 and 1.04). PyTorch's int4 kernel carries bfloat16, 8 significant bits, through 30
@@ -278,7 +278,7 @@ def test_smollm2_int4_logits_agree_with_the_dequantized_float32_model(smollm2, k
     with torch.inference_mode():
         reference, logits = float32(ids), int4(ids).float()
     error = (logits - reference).abs()
-    assert torch.isfinite(logits).all() and error.mean() < mean and error.max() < largest
+    assert torch.isfinite(logits).all() and error.mean() < 0.25 and error.max() < 2.0
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
 
 

@@ -18,9 +18,9 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -125,7 +125,7 @@ void group_dot(const uint8_t* w, const at::Half* scales, const int8_t* qx, const
       const ivec sum = add(lo, hi);
       const at::Half* s = scales + b * per_block * ROWS + h * LANES;
       acc = fma(to_float(sum), mul(halfs(s), splat(dx[b])), acc);  // d dx (q . qx)
-      if constexpr (Q4) acc = fma(halfs(s + ROWS), splat(xsum[b]), acc);  // + m sum(x)
+      if constexpr (Q4) acc = fma(halfs(s + ROWS), splat(xsum[b]), acc);  // + m dx sum(qx)
     }
     store(y + h * LANES, acc);
   }

@@ -1,19 +1,20 @@
 """The GGUF file's Q4_1 and Q8_0 blocks multiplied with int8 activations, as llama.cpp does (``blockdot.cpp``).
 
-PyTorch's CPU int4 kernel turns every weight into a float before its multiply-add: about 16 weights an
-instruction, so at batch 1 a core spends more time converting than reading. Here the activations are
+PyTorch's CPU int4 kernel turns every weight into a float before its multiply-add (16 a vector
+instruction), so at batch 1 a core spends its time converting rather than reading. Here the activations are
 rounded to int8 too, a scale per block of 32 (as llama.cpp's ``Q8_0`` activations), and a block's dot
 product is integer arithmetic, 4 products a 32-bit lane in one instruction (AVX-512 VNNI; AVX2 in two):
 
-    Q4_1 block:  sum_k (d q_k + m) x_k  ~  d dx sum_k q_k qx_k + m sum_k x_k      (qx = round(x / dx))
+    Q4_1 block:  sum_k (d q_k + m) x_k  ~  d dx sum_k q_k qx_k + m dx sum_k qx_k   (qx = round(x / dx))
     Q8_0 block:  sum_k d q_k x_k        ~  d dx sum_k q_k qx_k
 
-The only new rounding is x's to 8 bits (relative error up to 1/254 of a block's largest |x|).
+The only new rounding is x's to 8 bits (up to 1/254 of a block's largest |x| an element). The minimum m
+meets the rounded x, as in llama.cpp, so the rounding errors meet the centred weight d q + m, not d q.
 
 The C++ source is compiled on first use for this CPU's vector width (``torch.utils.cpp_extension``: a C++
-compiler, about a minute, cached) and registered as ``torch.ops.minillm.q4_1_mm`` / ``q8_0_mm``, with a
-shape-only version for ``torch.compile``. ``blockdot_problem()`` says why it cannot run here (no x86
-AVX2, no compiler), and the layers fall back to PyTorch's kernel.
+compiler and ninja; about 12 s on 2 cores, then cached) and registered as ``torch.ops.minillm.q4_1_mm`` /
+``q8_0_mm``, with a shape-only version for ``torch.compile``. ``blockdot_problem()`` says why it cannot run
+here (no x86 AVX2, no compiler, a failed build), and the layers fall back to PyTorch's kernel.
 """
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-GROUP = 32  # inputs per scale: a GGUF block
+from ..checkpoints.gguf import BLOCK_WEIGHTS
+
+GROUP = BLOCK_WEIGHTS  # inputs per scale: a GGUF block
 ROWS = 16  # output rows a group: the lanes of one AVX-512 vector
 SOURCE = Path(__file__).with_name("blockdot.cpp")
 FLAGS = {  # the ISA the kernel is compiled for -> compiler flags

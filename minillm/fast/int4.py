@@ -21,9 +21,9 @@ Where the kernel is missing or a shape does not fit it (out % 16, in % 32 on the
 dequantizes its weight and calls ``F.linear``: readable, and it says so (``kernel``, ``reason``).
 
 On an x86 CPU with AVX2 the model's default is neither: ``kernel="blockdot"`` (``minillm.fast.blockdot``)
-multiplies the file's Q4_1 and Q8_0 blocks with int8 activations, as llama.cpp does, which at batch 1 is
-about twice as fast as PyTorch's int4 kernel and reads the head once (1.06 bytes a weight) instead of as
-two planes; the rest of such a model runs in float32 (``model_dtype``), as llama.cpp's does.
+multiplies the file's Q4_1 and Q8_0 blocks with int8 activations, as llama.cpp does: at batch 1 its
+matmuls take about half the time of PyTorch's int4 kernel's, and it reads the head once (1.06 bytes a
+weight) instead of as two planes; the rest of such a model runs in float32 (``model_dtype``), as llama.cpp's does.
 ``load_int4`` builds the whole model from a GGUF file; matmul weights stored as floats stay floats, block
 types other than Q4_1 and Q8_0 are refused by name.
 """
@@ -46,7 +46,7 @@ GROUP = BLOCK_WEIGHTS  # weights per scale: a GGUF block, and the kernel's group
 KERNELS = ("auto", "int4pack", "dequant")  # an Int4Linear's
 MODEL_KERNELS = ("auto", "blockdot", *KERNELS[1:])  # a whole model's: "auto" prefers "blockdot" on a CPU
 RAW_TYPES = ("Q4_1", "Q8_0")  # the block types that load as they are
-FLOAT_TYPES = ("F32", "F16", "BF16")  # matmul weights stored as floats load as floats (bfloat16)
+FLOAT_TYPES = ("F32", "F16", "BF16")  # matmul weights stored as floats load as floats (the model dtype)
 DTYPE = torch.bfloat16  # the kernel's activations and scales
 CPU_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu refuses other row counts
 CUDA_OUT_MULTIPLE = 8

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -134,6 +133,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def waiting_note(speed: dict, cpu_speed: dict) -> str:
+    """Whether the one-thread runs had their core: a run's wall time over its CPU time is 1.00 when nothing
+    else ran on the core, more when it waited. ``speed`` and ``cpu_speed``: (name, threads) -> steps a wall
+    second and steps a CPU second."""
+    waited = {name: cpu_speed[name, t] / speed[name, t] for name, t in speed if t == 1}  # wall s / CPU s
+    if not waited:
+        return "no 1-thread runs: nothing to say about waiting"
+    name = max(waited, key=waited.get)
+    note = f"1-thread runs: wall time / CPU time at most {waited[name]:.2f} ({name})"
+    if waited[name] > 1.05:
+        return note + ": other programs took the core part of the time; the tok/CPU-s columns are steadier"
+    return note + ": each run had its core"
+
+
 def stepped(fn, threads: int):
     """``fn`` run with torch at ``threads`` threads."""
     import torch
@@ -215,14 +228,11 @@ def main(argv=None) -> int:
     if llama:
         llama.close()
 
-    load = os.getloadavg()[0]
-    print(f"\nload average at the end: {load:.1f} on {os.cpu_count()} CPUs" + (
-        ": other programs shared the cores, so runs with as many threads as cores waited for them "
-        "(CPU-time columns and 1-thread figures are steadier)" if load > os.cpu_count() - 0.5 else ""))
-    print(f"{'':>17} | threads | {'tok/s':>6} | ms/token | vs llama.cpp | tok/CPU-s | vs llama.cpp | MB/token | "
-          f"{'GB/s':>5} | of read BW | same tokens as llama.cpp")
     speed = {key: tokens_per_s(n - 1, rs, "wall") for key, rs in results.items()}  # decode steps/s
     cpu_speed = {key: tokens_per_s(n - 1, rs, "cpu") for key, rs in results.items()}  # per CPU second
+    print("\n" + waiting_note(speed, cpu_speed))
+    print(f"{'':>17} | threads | {'tok/s':>6} | ms/token | vs llama.cpp | tok/CPU-s | vs llama.cpp | MB/token | "
+          f"{'GB/s':>5} | of read BW | same tokens as llama.cpp")
     for threads in args.thread_counts:
         print(f"{'read BW':>17} | {threads:>7} | sum over {probe_bytes(llc) / 2**20:.0f} MiB: "
               f"{bandwidth[threads] / 1e9:.1f} GB/s" + (" (one core's figure)" if threads == 1 else ""))

@@ -43,3 +43,13 @@ def test_bad_thread_counts_are_refused():
         bench_peers.parse_args(["--threads", "1,x"])
     with pytest.raises(SystemExit):
         bench_peers.parse_args(["--threads", "0"])
+
+
+def test_the_waiting_note_reads_wall_over_cpu_time_of_the_one_thread_runs():
+    """It used to blame other programs from the load average, which counts the benchmark's own threads."""
+    alone = bench_peers.waiting_note({("int4", 1): 50.0, ("int4", 2): 60.0},
+                                     {("int4", 1): 50.5, ("int4", 2): 30.0})
+    assert "at most 1.01 (int4)" in alone and "each run had its core" in alone
+    shared = bench_peers.waiting_note({("int4", 1): 50.0, ("llama.cpp", 1): 40.0},
+                                      {("int4", 1): 51.0, ("llama.cpp", 1): 48.0})
+    assert "at most 1.20 (llama.cpp)" in shared and "other programs took the core" in shared

@@ -207,3 +207,16 @@ def test_notebooks_run_alone_in_ci():
     assert not re.search(r"(^|\s)(-n|--numprocesses)\b", addopts), "workers would share the CPU with a notebook"
     assert readme.index("pytest -n 2 tests") < readme.index("pytest book"), "library tests first, then the book"
     assert "run_pytest -n 2 tests" in ci and re.search(r"^run_pytest book$", ci, re.M), "CI runs what README says"
+
+
+def test_chapter_2_5_quotes_the_readme_bench_peers_run():
+    """Where llama.cpp is not installed, chapter 2.5 quotes BENCH_PEERS_RUN: the README's one-thread rows."""
+    from minillm.book.data import BENCH_PEERS_RUN
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = {m[1]: [float(v.strip().rstrip("x")) for v in m[2].split("|")[:6]]  # tok/s .. MB/token
+            for m in re.finditer(r"^ *(llama\.cpp|int4 compiled) \| +1 \| (.*)$", readme, re.M)}
+    llama, compiled = BENCH_PEERS_RUN["llama.cpp"], BENCH_PEERS_RUN["int4 compiled"]
+    assert rows["llama.cpp"][0] == llama["tokens/s"] and rows["llama.cpp"][5] == llama["MB/token"]
+    assert rows["int4 compiled"][:3] == [compiled["tokens/s"], compiled["ms/token"], compiled["vs llama.cpp"]]
+    assert f"One run on the {BENCH_PEERS_RUN['machine'].removeprefix('a ')}" in readme

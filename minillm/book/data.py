@@ -1,8 +1,16 @@
-"""Data the chapters quote: an A100's datasheet figures and the passage the precision chapter scores."""
+"""Data the chapters quote: an A100's datasheet figures, a benchmark run, the passage the precision chapter scores."""
 
 A100_PEAK_FLOPS = 312e12  # FLOP/s: dense float16/bfloat16 on the tensor cores
 A100_BANDWIDTH = 2.039e12  # bytes/s: HBM2e
 A100_MEMORY = 80 * 2**30  # bytes: sold as "80GB", it holds 80 GiB (nvidia-smi: 81,920 MiB)
+
+# The one-thread rows of the benchmarks/bench_peers.py run that README.md prints in full: chapter 2.5 quotes them
+# where llama-cpp-python is not installed (tests/test_book.py holds them equal to the README's rows).
+BENCH_PEERS_RUN = {
+    "machine": "a 2-core AMD EPYC VM",
+    "llama.cpp": {"tokens/s": 67.1, "MB/token": 98.3},
+    "int4 compiled": {"tokens/s": 83.2, "ms/token": 12.02, "vs llama.cpp": 1.24},
+}
 
 
 EVAL_TEXT = (

@@ -22,6 +22,9 @@ def _check_measured(label: str, pairs: dict[str, tuple[float, float]], units: tu
         check_number(f"{name} {units[1]}", second)
 
 
+LABEL_CLEARANCE = 0.1  # decades: a point this close to one labelled on its right gets its label on the left
+
+
 def plot_bandwidth_law(ax, points: dict[str, tuple[float, float]], bandwidth: float,
                        title: str = "Decode speed follows the bytes per step",
                        cache_bytes: float | None = None, quoted: tuple[str, ...] = ()) -> None:
@@ -30,21 +33,28 @@ def plot_bandwidth_law(ax, points: dict[str, tuple[float, float]], bandwidth: fl
 
     A point whose bytes fit in ``cache_bytes`` (the last-level cache) is drawn hollow and
     marked "in cache": the bound does not hold for it. Names in ``quoted`` are numbers not
-    measured on this run, drawn as crosses and marked "quoted".
+    measured on this run, drawn as crosses and marked "quoted". A point within
+    ``LABEL_CLEARANCE`` of one labelled on its right is labelled on its left.
     """
     _check_measured("points", points, ("bytes per step", "tokens/s"), bandwidth)
     sizes = np.array([b for b, _ in points.values()], dtype=float)
     span = np.geomspace(sizes.min() / 2, sizes.max() * 2, 50)  # bytes
     ax.plot(span / 1e6, bandwidth / span, "k--", lw=1.2,
             label=f"bound: {bandwidth / 1e9:.1f} GB/s / bytes per step")
+    labelled_right = []  # (log10 MB, log10 tokens/s) of the points labelled on their right
     for name, (step_bytes, speed) in points.items():
         in_cache = cache_bytes is not None and step_bytes <= cache_bytes
         marker = "x" if name in quoted else "o"
         note = " (quoted)" if name in quoted else " (in cache)" if in_cache else ""
         line, = ax.plot(step_bytes / 1e6, speed, marker, ms=8, label=name + note,
                         mfc="none" if in_cache else None)
+        at = np.log10([step_bytes / 1e6, speed])
+        crowded = any(np.abs(at - other).max() < LABEL_CLEARANCE for other in labelled_right)
+        if not crowded:
+            labelled_right.append(at)
         ax.annotate(f"{speed:.0f}", (step_bytes / 1e6, speed), textcoords="offset points",
-                    xytext=(6, 4), fontsize=9, color=line.get_color())
+                    xytext=(-6, 4) if crowded else (6, 4), ha="right" if crowded else "left",
+                    fontsize=9, color=line.get_color())
     ax.set(xscale="log", yscale="log",
            xlabel="bytes read per decode step (MB, log scale)",
            ylabel="decode speed (tokens/s, log scale)", title=title)

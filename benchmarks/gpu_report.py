@@ -5,7 +5,9 @@ files are not touched), with MINILLM_STRICT_CLAIMS=1, so a measured claim that d
 it: its result is "ok", "failed claim" (the claim's first line) or "error" (the exception's first line), with
 its seconds. The notebooks pick CUDA themselves (``minillm.book.notebook.pick_device``). Then each benchmark
 that has a CUDA mode runs in it with a time limit, and the report keeps its header and its headline lines
-(targets, ratios, "met" / "NOT met", FAIL); the CPU-only ones are listed as such.
+(targets, ratios, "met" / "NOT met", FAIL); the CPU-only ones are listed as such. The report is rewritten after
+each notebook and benchmark, so a run stopped early (a machine lent for minutes) keeps what it measured, marked
+incomplete.
 
     python benchmarks/gpu_report.py [--out benchmarks/gpu_report.md] [--cell-timeout 600] [--bench-timeout 900]
 
@@ -36,6 +38,7 @@ BENCHMARKS: dict[str, tuple[list[str] | None, str]] = {
     "bench_peers.py": (None, "CPU only (llama.cpp on the CPU)"),
 }
 HEADLINE = re.compile(r"target|\bmet\b|FAIL|ratio|speed-?up", re.IGNORECASE)
+INCOMPLETE = "**Incomplete**: the run stopped before the entries below this point were measured."
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,13 +47,32 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="where the Markdown report goes (default benchmarks/gpu_report.md)")
     parser.add_argument("--cell-timeout", type=int, default=600, help="seconds a notebook cell may take")
     parser.add_argument("--bench-timeout", type=int, default=900, help="seconds a benchmark may take")
+    parser.add_argument("--only", nargs="+", metavar="NAME", default=None,
+                        help="run only the notebooks and benchmarks whose file names contain one of these "
+                             "(a rerun of what failed)")
     parser.add_argument("--skip-notebooks", action="store_true")
     parser.add_argument("--skip-benchmarks", action="store_true")
     return parser.parse_args(argv)
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# a traceback frame in this repository: 'File "/x/minillm/model.py", line 145' (Python) or
+# 'File /x/minillm/model.py:145' (IPython)
+FRAME = re.compile(r'File "?[^"\n]*?\b((?:minillm|benchmarks)/[\w/]+\.py)(?:", line |:)(\d+)')
+
+
 def first_line(text: str) -> str:
     return next((line.strip() for line in str(text).splitlines() if line.strip()), "?")[:200]
+
+
+def last_line(text: str) -> str:
+    return first_line("\n".join(reversed(str(text).splitlines())))
+
+
+def innermost_frame(traceback: str) -> str:
+    """' (at minillm/model.py:145)': the deepest frame of a traceback in this repository, or ''."""
+    frames = FRAME.findall(ANSI.sub("", str(traceback)))
+    return f" (at {frames[-1][0]}:{frames[-1][1]})" if frames else ""
 
 
 def run_notebook(path: Path, workdir: Path, cell_timeout: int) -> tuple[str, float]:
@@ -68,7 +90,8 @@ def run_notebook(path: Path, workdir: Path, cell_timeout: int) -> tuple[str, flo
         result = "ok"
     except CellExecutionError as error:
         kind = "failed claim" if error.ename == "ClaimFailed" else "error"
-        result = f"{kind}: {error.ename}: {first_line(error.evalue)}"
+        where = "" if kind == "failed claim" else innermost_frame(error.traceback)
+        result = f"{kind}: {error.ename}: {first_line(error.evalue)}{where}"
     except (CellTimeoutError, TimeoutError) as error:
         result = f"error: a cell ran past {cell_timeout} s ({first_line(error)})"
     except DeadKernelError as error:
@@ -89,12 +112,24 @@ def run_benchmark(script: str, extra: list[str], timeout: int) -> tuple[str, flo
         lines = text.splitlines()
         return f"error: ran past {timeout} s", time.perf_counter() - start, lines[:1] + headlines(lines)
     lines = out.stdout.splitlines()
-    result = "ok" if out.returncode == 0 else f"error (exit {out.returncode}): {first_line(out.stderr[-2000:])}"
+    result = ("ok" if out.returncode == 0 else
+              f"error (exit {out.returncode}): {last_line(out.stderr)}{innermost_frame(out.stderr)}")
     return result, time.perf_counter() - start, lines[:1] + headlines(lines)
 
 
 def headlines(lines: list[str]) -> list[str]:
     return [line.rstrip() for line in lines if HEADLINE.search(line)]
+
+
+def chosen(name: str, only: list[str] | None) -> bool:
+    """Whether ``--only`` (None: everything) selects the file ``name``."""
+    return only is None or any(part in name for part in only)
+
+
+def save(report: list[str], out: Path, complete: bool) -> None:
+    """Write the report so far; until it is complete it ends with a line saying so."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(report if complete else [*report, "", INCOMPLETE]) + "\n")
 
 
 def main(argv=None) -> int:
@@ -110,29 +145,32 @@ def main(argv=None) -> int:
     report = ["# GPU report", "",
               f"- device: {device} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB)",
               f"- torch {torch.__version__}, CUDA {torch.version.cuda}, Python {platform.python_version()}",
-              f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; notebooks with MINILLM_STRICT_CLAIMS=1", ""]
+              f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; notebooks with MINILLM_STRICT_CLAIMS=1",
+              *([f"- only the files whose names contain: {', '.join(args.only)}"] if args.only else []), ""]
     if not args.skip_notebooks:
         report += ["## Notebooks", "", "| notebook | result | seconds |", "|---|---|---:|"]
         with tempfile.TemporaryDirectory(prefix="gpu_report_") as workdir:
             for pattern in NOTEBOOKS:
-                for path in sorted(ROOT.glob(pattern)):
+                for path in (p for p in sorted(ROOT.glob(pattern)) if chosen(p.name, args.only)):
                     result, seconds = run_notebook(path, Path(workdir), args.cell_timeout)
                     name = path.relative_to(ROOT)
                     print(f"{name}: {result} ({seconds:.0f} s)", flush=True)
                     report.append(f"| {name} | {result.replace('|', '/')} | {seconds:.0f} |")
+                    save(report, args.out, complete=False)
         report.append("")
     if not args.skip_benchmarks:
         report += ["## Benchmarks", ""]
-        for script, (extra, how) in BENCHMARKS.items():
+        for script, (extra, how) in ((s, e) for s, e in BENCHMARKS.items() if chosen(s, args.only)):
             if extra is None:
                 report += [f"### {script}: not run ({how})", ""]
+                save(report, args.out, complete=False)
                 continue
             result, seconds, lines = run_benchmark(script, extra, args.bench_timeout)
             print(f"{script} {' '.join(extra)}: {result} ({seconds:.0f} s)", flush=True)
             report += [f"### {script} {' '.join(extra)}".rstrip() + f": {result}, {seconds:.0f} s ({how})", "",
                        "```", *lines, "```", ""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(report))
+            save(report, args.out, complete=False)
+    save(report, args.out, complete=True)
     print(f"report written to {args.out}")
     return 0
 

@@ -141,8 +141,9 @@ class Attention(nn.Module):
             out = weights @ v  # (B, Hkv, G*T, D)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, Hkv, G*T, D)
-        # (B, H, T, D): head h uses kv head h // G
-        return out.view(B, self.n_heads, T, self.head_dim)
+        # (B, H, T, D): head h uses kv head h // G. reshape, not view: CUDA's kernels
+        # return `out` in another memory layout (copied then, viewed otherwise)
+        return out.reshape(B, self.n_heads, T, self.head_dim)
 
     def _record(self, weights: torch.Tensor) -> None:
         """Keep one call's weights; a second kernel call in the same forward cannot be one tensor."""

@@ -167,6 +167,21 @@ def test_a_fresh_prompt_skips_the_masked_half_and_later_calls_keep_their_mask(sm
     assert calls == [(False, "tensor")] * n
 
 
+def test_attention_output_in_the_gpu_kernels_layout_gives_the_same_logits(small_model, monkeypatch):
+    """CUDA's attention kernels return (B, Hkv, G*T, D) laid out as (B, G*T, Hkv, D) in memory: the GQA
+    regrouping must not assume a contiguous output (a .view there failed on an H200)."""
+    ids = random_ids(SMALL.vocab_size, (2, 9))
+    expected = decode_step_by_step(small_model, ids, 4)  # masked calls: chunk after the prompt, decodes
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def gpu_layout(*args, **kwargs):
+        out = real(*args, **kwargs)  # (B, Hkv, G*T, D)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # same values, the kernels' strides
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", gpu_layout)
+    torch.testing.assert_close(decode_step_by_step(small_model, ids, 4), expected, **F32)
+
+
 def test_the_causal_kernel_equals_the_explicit_mask(small_model):
     """A long prompt (many of the kernel's tiles): skipping the masked half changes nothing."""
     attn, T, G = small_model.model.layers[0].self_attn, 300, SMALL.n_groups

@@ -2,14 +2,15 @@
 
 Each notebook (book/*.ipynb, book/labs/*.ipynb) is executed with nbclient into a temporary copy (the book's
 files are not touched), with MINILLM_STRICT_CLAIMS=1, so a measured claim that does not hold on the GPU stops
-it: its result is "ok", "failed claim" (the claim's first line) or "error" (the exception's first line), with
-its seconds. The notebooks pick CUDA themselves (``minillm.book.notebook.pick_device``). Then each benchmark
-that has a CUDA mode runs in it with a time limit, and the report keeps its header and its headline lines
-(targets, ratios, "met" / "NOT met", FAIL); the CPU-only ones are listed as such. The report is rewritten after
-each notebook and benchmark, so a run stopped early (a machine lent for minutes) keeps what it measured, marked
-incomplete.
+it: its result is "ok", "failed claim" (the claim's first line) or "error" (the exception's first line and its
+deepest frame in this repository), with its seconds. The notebooks pick CUDA themselves
+(``minillm.book.notebook.pick_device``). Then each benchmark that has a CUDA mode runs in it with a time limit,
+and the report keeps its header and its headline lines (targets, ratios, "met" / "NOT met", FAIL); the CPU-only
+ones are listed as such. The report is rewritten after each notebook and benchmark, so a run stopped early (a
+machine lent for minutes) keeps what it measured, marked incomplete.
 
     python benchmarks/gpu_report.py [--out benchmarks/gpu_report.md] [--cell-timeout 600] [--bench-timeout 900]
+                                    [--only NAME ...] [--skip-notebooks] [--skip-benchmarks]
 
 Needs a CUDA machine: without one it says so and exits with code 2.
 """
@@ -66,7 +67,7 @@ def first_line(text: str) -> str:
 
 
 def last_line(text: str) -> str:
-    return first_line("\n".join(reversed(str(text).splitlines())))
+    return next((line.strip() for line in reversed(str(text).splitlines()) if line.strip()), "?")[:200]
 
 
 def innermost_frame(traceback: str) -> str:
@@ -151,7 +152,9 @@ def main(argv=None) -> int:
         report += ["## Notebooks", "", "| notebook | result | seconds |", "|---|---|---:|"]
         with tempfile.TemporaryDirectory(prefix="gpu_report_") as workdir:
             for pattern in NOTEBOOKS:
-                for path in (p for p in sorted(ROOT.glob(pattern)) if chosen(p.name, args.only)):
+                for path in sorted(ROOT.glob(pattern)):
+                    if not chosen(path.name, args.only):
+                        continue
                     result, seconds = run_notebook(path, Path(workdir), args.cell_timeout)
                     name = path.relative_to(ROOT)
                     print(f"{name}: {result} ({seconds:.0f} s)", flush=True)
@@ -160,7 +163,9 @@ def main(argv=None) -> int:
         report.append("")
     if not args.skip_benchmarks:
         report += ["## Benchmarks", ""]
-        for script, (extra, how) in ((s, e) for s, e in BENCHMARKS.items() if chosen(s, args.only)):
+        for script, (extra, how) in BENCHMARKS.items():
+            if not chosen(script, args.only):
+                continue
             if extra is None:
                 report += [f"### {script}: not run ({how})", ""]
                 save(report, args.out, complete=False)

@@ -1,4 +1,4 @@
-"""Device and dtype names, resolved with clear errors."""
+"""Device and dtype names, resolved with clear errors, and the device and dtype a chapter runs in."""
 from __future__ import annotations
 
 import torch
@@ -40,3 +40,26 @@ def resolve_dtype(dtype: str | torch.dtype = "float32") -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {list(DTYPES)}")
     return DTYPES[dtype]
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """True when the CUDA ``device`` computes bfloat16 in hardware: compute capability 8.0 (Ampere) or newer.
+
+    ``torch.cuda.is_bf16_supported()`` alone also says True on older GPUs such as a T4 (7.5), which only
+    emulate bfloat16, slowly and without tensor cores.
+    """
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def pick_device(verbose: bool = True) -> tuple[torch.device, torch.dtype]:
+    """CUDA when there is a GPU, in bfloat16 where it computes bfloat16 natively (``native_bfloat16``), else
+    in float16; otherwise the CPU in float32. ``verbose`` prints one line naming the device and dtype."""
+    device = resolve_device("auto")
+    if device.type == "cuda":
+        dtype = torch.bfloat16 if native_bfloat16(device) else torch.float16
+        name = torch.cuda.get_device_name(device)
+    else:
+        dtype, name = torch.float32, f"CPU, {torch.get_num_threads()} threads"
+    if verbose:
+        print(f"device: {device.type} ({name}), dtype: {str(dtype).removeprefix('torch.')}")
+    return device, dtype

@@ -1,9 +1,9 @@
-"""Device and dtype names, the synchronizing clock, and the notebook's device picker."""
+"""Device and dtype names, the synchronizing clock, and the device and dtype a chapter picks."""
 import pytest
 import torch
 
-import minillm.book.notebook
 from minillm import build_model, now, resolve_device, resolve_dtype, synchronize
+from minillm.device import pick_device
 
 
 @pytest.fixture
@@ -72,9 +72,33 @@ def test_clock_is_monotone_and_synchronize_is_a_no_op_on_cpu():
 
 
 def test_pick_device_without_a_gpu(no_cuda, capsys):
-    device, dtype = minillm.book.notebook.pick_device()
+    device, dtype = pick_device()
     assert (device, dtype) == (torch.device("cpu"), torch.float32)
     assert capsys.readouterr().out.startswith("device: cpu (CPU, ")
-    assert minillm.book.notebook.pick_device(verbose=False) == (device, dtype)
+    assert pick_device(verbose=False) == (device, dtype)
     assert capsys.readouterr().out == ""
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A GPU as torch's CUDA queries describe it: name and compute capability set by the test. Like torch,
+    ``is_bf16_supported()`` says True below 8.0 too, as it does on a T4 that only emulates bfloat16."""
+    def install(name: str, capability: tuple[int, int]):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    return install
+
+
+@pytest.mark.parametrize("name, capability, dtype", [
+    ("Tesla T4", (7, 5), torch.float16),  # Turing: bfloat16 only emulated
+    ("Tesla V100-SXM2-16GB", (7, 0), torch.float16),
+    ("NVIDIA A100-SXM4-80GB", (8, 0), torch.bfloat16),
+    ("NVIDIA H200", (9, 0), torch.bfloat16),
+])
+def test_pick_device_gives_bfloat16_only_where_the_gpu_computes_it(fake_gpu, capsys, name, capability, dtype):
+    fake_gpu(name, capability)
+    assert pick_device() == (torch.device("cuda"), dtype)
+    assert capsys.readouterr().out == f"device: cuda ({name}), dtype: {str(dtype).removeprefix('torch.')}\n"
 

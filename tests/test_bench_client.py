@@ -9,7 +9,6 @@ import time
 import httpx
 import pytest
 import uvicorn
-from test_server import server  # noqa: F401  (the fixture: a tiny-model server on 127.0.0.1)
 
 from minillm.analysis.metrics import SLO, e2e_latency, itls, tpot, ttft
 from minillm.engine import Engine, Request, RequestRecord, Status
@@ -135,7 +134,7 @@ def test_slo_and_argument_errors(capsys):
     assert "cannot list the models" in capsys.readouterr().err
 
 
-def test_the_client_equals_the_engine_plus_the_http_time_it_measures(server):  # noqa: F811
+def test_the_client_equals_the_engine_plus_the_http_time_it_measures(server):
     requests = random_requests(16, (8, 48), (4, 16), seed=1, vocab_size=258,
                                arrival_times=poisson_arrivals(16, 40.0, seed=1))
     result = run_benchmark(server.url, "tiny", requests, timeout=30)
@@ -155,7 +154,7 @@ def test_the_client_equals_the_engine_plus_the_http_time_it_measures(server):  #
     assert closed.metrics.n_completed == 8 and [r.request_id for r in closed.records] == list(range(8))
 
 
-def test_the_command_line_against_a_server(server, tmp_path, capsys):  # noqa: F811
+def test_the_command_line_against_a_server(server, tmp_path, capsys):
     out = tmp_path / "run.json"
     argv = ["--url", server.url, "--num-requests", "6", "--request-rate", "30", "--prompt-len", "8", "16",
             "--output-len", "4", "8", "--vocab-size", "258", "--goodput", "ttft:1000", "--compare-engine",
@@ -174,7 +173,7 @@ def test_the_command_line_against_a_server(server, tmp_path, capsys):  # noqa: F
         assert added["p50"] <= added["p99"]
 
 
-def test_http_errors_are_recorded_not_raised(server):  # noqa: F811
+def test_http_errors_are_recorded_not_raised(server):
     result = run_benchmark(server.url, "no-such-model", [Request(0, [1, 2], 3)], timeout=30)
     assert result.metrics.n_failed == 1 and "HTTP 404" in result.records[0].error
     assert bench_client.list_models(server.url) == ["tiny"]

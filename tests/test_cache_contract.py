@@ -5,8 +5,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import SMALL, random_ids
-from test_model import CAUSAL, sdpa_spy
+from conftest import CAUSAL, SMALL, random_ids, sdpa_spy
 
 import minillm.engine.paged_cache as paged_cache
 import minillm.model as model_module

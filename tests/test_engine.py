@@ -1,104 +1,17 @@
-"""The engine: same tokens as `generate`, nothing lost, memory within budget (shared helpers live here).
+"""The engine: same tokens as `generate`, nothing lost, memory within budget.
 
 Chunked prefill, prefix caching and the online interface have their own files (test_engine_*.py),
-which import the helpers below.
+which share the helpers in conftest.py.
 """
-import random
-from functools import cache
 
 import pytest
 import torch
+from conftest import ENGINE_CONFIG, ENGINE_MODEL, check_invariants, drive, greedy_reference, workload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm import KVCache, SamplingParams, build_model, generate, get_config
+from minillm import KVCache, SamplingParams, generate
 from minillm.engine import Engine, PagedCacheView, PagedKVPool, Request, blocks_for
-
-CONFIG = get_config("tiny", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=96)
-MODEL = build_model(CONFIG, seed=0)
-REF_TOKENS = 24  # greedy outputs are prefixes of a longer greedy run
-
-
-@cache
-def greedy_reference(prompt: tuple[int, ...]) -> list[int]:
-    return generate(MODEL, list(prompt), REF_TOKENS)
-
-
-def workload(n, seed, max_prompt=20, max_tokens=20, **kwargs):
-    rng = random.Random(seed)
-    return [Request(i, [rng.randrange(256) for _ in range(rng.randint(1, max_prompt))], rng.randint(1, max_tokens),
-                    **kwargs) for i in range(n)]
-
-
-def check_tables(engine):
-    """Memory, counted from the sequences' block tables (not from the allocator's own bookkeeping):
-    every live sequence holds blocks for every token it has computed and no more than for all its
-    tokens; a block is in two tables only when both hold the same tokens up to its end at the same
-    index (a shared prefix block); the blocks held fit in the pool; the reference counts equal the
-    number of tables holding each block, and the free blocks are exactly the ones no table holds."""
-    blocks, bs = engine.blocks, engine.blocks.block_size
-    live = engine.scheduler.running + engine.scheduler.padding
-    holders = {}  # block -> [(sequence, index in its table)]
-    for seq in live:
-        assert blocks_for(seq.num_computed, bs) <= len(seq.block_table) <= blocks_for(seq.num_tokens, bs)
-        for i, block in enumerate(seq.block_table):
-            assert 0 <= block < blocks.num_blocks
-            holders.setdefault(block, []).append((seq, i))
-    for users in holders.values():
-        if len(users) > 1:
-            assert blocks.enable_prefix_caching
-            (first, i), end = users[0], (users[0][1] + 1) * bs
-            assert all(j == i and s.tokens[:end] == first.tokens[:end] for s, j in users)
-    assert sum(len(s.block_table) for s in live) - sum(len(u) - 1 for u in holders.values()) <= blocks.num_blocks
-    assert blocks.ref_counts == [len(holders.get(b, [])) for b in range(blocks.num_blocks)]
-    assert set(blocks.free_blocks) == set(range(blocks.num_blocks)) - set(holders)
-    assert all(not s.block_table and s.num_computed == 0 for s in engine.scheduler.waiting)
-    return len(holders)
-
-
-def check_invariants(engine, requests, result):
-    """Every request ends once, finished or rejected; every block is free again and no reference is
-    left; each step's token budget held; times are ordered; greedy tokens equal generate alone."""
-    assert [r.request_id for r in result.requests] == [r.request_id for r in requests]
-    assert all(r.status in ("finished", "rejected") for r in result.requests)
-    assert all(s.blocks_used <= engine.blocks.num_blocks for s in result.steps)
-    blocks = engine.blocks
-    assert blocks.ref_counts == [0] * blocks.num_blocks and sorted(blocks.free_blocks) == list(range(blocks.num_blocks))
-    assert not engine.has_unfinished() and not engine.scheduler.running and not engine.scheduler.padding
-    budget = engine.scheduler.max_num_batched_tokens
-    for s in result.steps:
-        assert s.n_running == s.n_prefill + s.n_decode and s.decode_tokens == s.n_decode + s.n_padding
-        if engine.enable_chunked_prefill:
-            assert s.model_calls == 1 and s.prefill_tokens + s.decode_tokens <= budget
-        else:
-            assert s.model_calls == s.n_prefill + (s.decode_tokens > 0)
-    for req, rec in zip(requests, result.requests):
-        if rec.status == "rejected":
-            assert rec.reason and rec.output_ids == [] and rec.token_times == []
-            continue
-        assert len(rec.output_ids) == len(rec.token_times) == req.max_tokens  # no EOS id: runs to max_tokens
-        assert rec.arrival_time <= rec.token_times[0]
-        assert rec.token_times == sorted(rec.token_times) and rec.finish_time == rec.token_times[-1]
-        assert rec.output_ids == greedy_reference(tuple(req.prompt_ids))[:req.max_tokens]
-    assert sum(s.prefill_tokens for s in result.steps) == sum(r.prefill_tokens for r in result.requests)
-    assert sum(s.cached_tokens for s in result.steps) == sum(r.cached_tokens for r in result.requests)
-    assert sum(s.n_preempted for s in result.steps) == sum(r.preemptions for r in result.requests)
-
-
-def drive(engine, arrivals, check=check_tables):
-    """Serve requests online: ``arrivals`` maps a step number to the requests added before that step.
-    Checks ``check(engine)`` after every step; returns {request_id: StepOutputs} and the step records."""
-    outputs, records, step = {}, [], 0
-    while engine.has_unfinished() or any(k >= step for k in arrivals):
-        for request in arrivals.get(step, []):
-            engine.add_request(request)
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-        records.append(engine.last_step)
-        check(engine)
-        step += 1
-    return outputs, records
-
 
 MODES = {"mixed": {}, "separate": {"enable_chunked_prefill": False}}
 
@@ -108,7 +21,8 @@ MODES = {"mixed": {}, "separate": {"enable_chunked_prefill": False}}
 @pytest.mark.parametrize("max_batch_size,num_blocks", [(1, None), (3, None), (8, 6)])
 def test_greedy_tokens_equal_generate_alone(policy, max_batch_size, num_blocks, mode):
     requests = workload(10, seed=1)
-    engine = Engine(MODEL, policy, max_batch_size=max_batch_size, num_blocks=num_blocks, block_size=8, **MODES[mode])
+    engine = Engine(ENGINE_MODEL, policy, max_batch_size=max_batch_size, num_blocks=num_blocks, block_size=8,
+                    **MODES[mode])
     result = engine.run(requests)
     assert all(r.status == "finished" for r in result.requests)
     check_invariants(engine, requests, result)
@@ -124,9 +38,9 @@ def test_seeded_sampling_matches_generate_and_survives_preemption():
     params = SamplingParams(temperature=1.0, top_k=50)
     requests = [Request(r.request_id, r.prompt_ids, r.max_tokens, params, seed=100 + i)
                 for i, r in enumerate(workload(6, seed=2))]
-    alone = [generate(MODEL, r.prompt_ids, r.max_tokens, sampling=params, seed=r.seed) for r in requests]
+    alone = [generate(ENGINE_MODEL, r.prompt_ids, r.max_tokens, sampling=params, seed=r.seed) for r in requests]
     for num_blocks in (None, 6):
-        result = Engine(MODEL, max_batch_size=6, num_blocks=num_blocks, block_size=8).run(requests)
+        result = Engine(ENGINE_MODEL, max_batch_size=6, num_blocks=num_blocks, block_size=8).run(requests)
         assert [r.output_ids for r in result.requests] == alone
 
 
@@ -135,9 +49,10 @@ def test_eos_stops_a_request_unless_ignored():
     eos = greedy_reference(tuple(prompt))[2]  # make the third greedy token the end of sequence
     stop = greedy_reference(tuple(prompt)).index(eos) + 1
     requests = [Request("stop", prompt, 10), Request("ignore", prompt, 10, ignore_eos=True)]
-    result = Engine(MODEL, max_batch_size=2, eos_token_id=eos).run(requests)
+    result = Engine(ENGINE_MODEL, max_batch_size=2, eos_token_id=eos).run(requests)
     stopped, ignored = result.requests
-    assert stopped.output_ids == generate(MODEL, prompt, 10, eos_token_id=eos) == greedy_reference((5, 6, 7))[:stop]
+    alone = generate(ENGINE_MODEL, prompt, 10, eos_token_id=eos)
+    assert stopped.output_ids == alone == greedy_reference((5, 6, 7))[:stop]
     assert stopped.reason == "eos" and stopped.output_ids[-1] == eos
     assert ignored.reason == "max_tokens" and ignored.output_ids == greedy_reference((5, 6, 7))[:10]
 
@@ -145,7 +60,7 @@ def test_eos_stops_a_request_unless_ignored():
 def test_requests_that_can_never_fit_are_rejected_with_a_reason():
     requests = [Request("ok", [1, 2, 3], 4), Request("empty", [], 4), Request("vocab", [1, 300], 4),
                 Request("long", [1] * 90, 10), Request("pool", [1] * 40, 20), Request("ok2", [4], 2)]
-    engine = Engine(MODEL, max_batch_size=4, num_blocks=7, block_size=8)  # 56 tokens of KV budget
+    engine = Engine(ENGINE_MODEL, max_batch_size=4, num_blocks=7, block_size=8)  # 56 tokens of KV budget
     result = engine.run(requests)
     by_id = {r.request_id: r for r in result.requests}
     assert by_id["ok"].status == by_id["ok2"].status == "finished"
@@ -161,7 +76,7 @@ def test_static_waits_for_the_slowest_and_continuous_refills_at_once(mode):
     requests = [Request(i, [10 + i, 20], m) for i, m in enumerate([1, 5, 5, 5])]
     plan = {}
     for policy in ("static", "continuous"):
-        result = Engine(MODEL, policy, max_batch_size=2, **MODES[mode]).run(requests)
+        result = Engine(ENGINE_MODEL, policy, max_batch_size=2, **MODES[mode]).run(requests)
         plan[policy] = [(s.n_prefill, s.n_decode, s.n_padding) for s in result.steps]
         calls = [s.model_calls for s in result.steps]
         separate_calls = [p + (d + pad > 0) for p, d, pad in plan[policy]]  # one per prefill, one for the decode
@@ -172,7 +87,7 @@ def test_static_waits_for_the_slowest_and_continuous_refills_at_once(mode):
 
 def test_idle_time_is_skipped_not_slept():
     requests = [Request(0, [1, 2], 3), Request(1, [3, 4], 3, arrival_time=1000.0)]
-    result = Engine(MODEL).run(requests)
+    result = Engine(ENGINE_MODEL).run(requests)
     first, late = result.requests
     assert late.arrival_time == 1000.0 and late.token_times[0] >= 1000.0
     assert 0 < result.idle_skipped <= 1000.0 - first.finish_time
@@ -181,7 +96,7 @@ def test_idle_time_is_skipped_not_slept():
 
 def test_closed_loop_keeps_n_users_in_the_system():
     requests = workload(7, seed=3, max_tokens=8)
-    result = Engine(MODEL, max_batch_size=8).run(requests, concurrency=2)
+    result = Engine(ENGINE_MODEL, max_batch_size=8).run(requests, concurrency=2)
     assert [r.arrival_time for r in result.requests[:2]] == [0.0, 0.0]
     ends = sorted(r.finish_time for r in result.requests)
     assert sorted(r.arrival_time for r in result.requests[2:]) == ends[:5]  # each end lets the next one in
@@ -194,7 +109,7 @@ def test_rejection_is_exact_at_the_pool_boundary():
     token is never fed back) and must finish; with 8 new tokens it would cache 17 and is rejected."""
     prompt = list(range(1, 11))
     fits, too_long = Request("fits", prompt, 7), Request("too_long", prompt, 8)
-    engine = Engine(MODEL, max_batch_size=1, num_blocks=2, block_size=8)
+    engine = Engine(ENGINE_MODEL, max_batch_size=1, num_blocks=2, block_size=8)
     result = engine.run([fits, too_long])
     done, rejected = result.requests
     assert done.status == "finished" and done.output_ids == greedy_reference(tuple(prompt))[:7]
@@ -238,7 +153,7 @@ def engine_settings(data, requests):
 def test_random_workloads_lose_nothing_and_stay_in_budget(data, concurrency):
     """The reference test: any budget, chunk cap, batch limit, pool size (so preemption), caching."""
     requests = shared_prefix_requests(data, data.draw(st.integers(2, 8), label="n"))
-    engine = Engine(MODEL, **engine_settings(data, requests))
+    engine = Engine(ENGINE_MODEL, **engine_settings(data, requests))
     result = engine.run(requests, concurrency=concurrency)
     check_invariants(engine, requests, result)
     for req, rec in zip(requests, result.requests):
@@ -250,7 +165,7 @@ def test_random_workloads_lose_nothing_and_stay_in_budget(data, concurrency):
 def test_random_online_workloads_keep_block_tables_consistent_at_every_step(data):
     """The same, driven step by step, with the block tables checked after every step."""
     requests = shared_prefix_requests(data, data.draw(st.integers(2, 8), label="n"))
-    engine = Engine(MODEL, **engine_settings(data, requests))
+    engine = Engine(ENGINE_MODEL, **engine_settings(data, requests))
     requests = [r for r in requests if engine.rejection(r) is None]
     arrivals = {}
     for r in requests:
@@ -264,17 +179,17 @@ def test_random_online_workloads_keep_block_tables_consistent_at_every_step(data
 
 
 def test_paged_cache_returns_keys_by_position_like_the_contiguous_cache():
-    pool = PagedKVPool(CONFIG, num_blocks=10, block_size=4)
+    pool = PagedKVPool(ENGINE_CONFIG, num_blocks=10, block_size=4)
     tables = [[7, 2, 5], [0, 9]]  # scattered blocks: row 0 holds up to 12 positions, row 1 up to 8
     view = PagedCacheView(pool, tables, [0, 0])
-    contiguous = KVCache(CONFIG, 2, 12)
+    contiguous = KVCache(ENGINE_CONFIG, 2, 12)
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]])  # (2, 8)
-    k = torch.randn(2, CONFIG.n_kv_heads, 8, CONFIG.head_dim)
+    k = torch.randn(2, ENGINE_CONFIG.n_kv_heads, 8, ENGINE_CONFIG.head_dim)
     view.check_room(positions)
     contiguous.check_room(positions)
     K, V = view.update(1, k, k + 1, positions)
     K_ref, V_ref = contiguous.update(1, k, k + 1, positions)
-    assert K.shape == K_ref.shape == (2, CONFIG.n_kv_heads, 8, CONFIG.head_dim)
+    assert K.shape == K_ref.shape == (2, ENGINE_CONFIG.n_kv_heads, 8, ENGINE_CONFIG.head_dim)
     assert torch.equal(K, K_ref) and torch.equal(V, V_ref)
     assert torch.equal(pool.k[1][9, :, :, :], k[1, :, 4:8].transpose(0, 1))  # row 1, positions 4..7
     with pytest.raises(ValueError, match="row 1 writes position 8 but holds only 2 blocks"):
@@ -283,11 +198,11 @@ def test_paged_cache_returns_keys_by_position_like_the_contiguous_cache():
 
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
-        Engine(MODEL, policy="fifo")
+        Engine(ENGINE_MODEL, policy="fifo")
     with pytest.raises(ValueError, match="max_batch_size=0"):
-        Engine(MODEL, max_batch_size=0)
+        Engine(ENGINE_MODEL, max_batch_size=0)
     with pytest.raises(ValueError, match="num_blocks=0"):
-        Engine(MODEL, num_blocks=0)
+        Engine(ENGINE_MODEL, num_blocks=0)
     with pytest.raises(ValueError, match="max_tokens=0 must be >= 1"):
         Request(0, [1], 0)
     with pytest.raises(TypeError, match="prompt_ids"):
@@ -295,17 +210,17 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="arrival_time=-1"):
         Request(0, [1], 3, arrival_time=-1)
     with pytest.raises(ValueError, match="request_id 0 appears more than once"):
-        Engine(MODEL).run([Request(0, [1], 1), Request(0, [2], 1)])
+        Engine(ENGINE_MODEL).run([Request(0, [1], 1), Request(0, [2], 1)])
     with pytest.raises(ValueError, match="concurrency=0"):
-        Engine(MODEL).run([Request(0, [1], 1)], concurrency=0)
+        Engine(ENGINE_MODEL).run([Request(0, [1], 1)], concurrency=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens=4 must be >= max_batch_size=8"):
-        Engine(MODEL, max_batch_size=8, max_num_batched_tokens=4)
+        Engine(ENGINE_MODEL, max_batch_size=8, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="max_prefill_chunk=0 must be >= 1"):
-        Engine(MODEL, max_prefill_chunk=0)
+        Engine(ENGINE_MODEL, max_prefill_chunk=0)
     with pytest.raises(ValueError, match="need enable_chunked_prefill=True"):
-        Engine(MODEL, enable_chunked_prefill=False, max_num_batched_tokens=64)
+        Engine(ENGINE_MODEL, enable_chunked_prefill=False, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match="enable_prefix_caching needs policy='continuous'"):
-        Engine(MODEL, policy="static", enable_prefix_caching=True)
+        Engine(ENGINE_MODEL, policy="static", enable_prefix_caching=True)
 
 
 def test_status_is_a_str_enum_whose_values_are_the_old_strings():
@@ -315,14 +230,15 @@ def test_status_is_a_str_enum_whose_values_are_the_old_strings():
 
     assert [s.value for s in Status] == ["pending", "waiting", "running", "finished", "rejected", "aborted"]
     assert Status.FINISHED == "finished" and str(Status.REJECTED) == "rejected" and f"{Status.ABORTED}" == "aborted"
-    result = Engine(MODEL, num_blocks=2, block_size=8).run([Request("ok", [1, 2], 2), Request("big", [1] * 20, 2)])
+    requests = [Request("ok", [1, 2], 2), Request("big", [1] * 20, 2)]
+    result = Engine(ENGINE_MODEL, num_blocks=2, block_size=8).run(requests)
     ok, big = result.requests
     assert ok.status is Status.FINISHED and big.status is Status.REJECTED
     assert json.loads(json.dumps({"status": ok.status})) == {"status": "finished"}
 
 
 def test_the_finish_reason_is_none_until_the_request_ends():
-    engine = Engine(MODEL)
+    engine = Engine(ENGINE_MODEL)
     engine.add_request(Request("r", [1, 2, 3], 3))
     seq = engine.sequence("r")
     assert seq.finish_reason is None and not seq.finished and seq.status == "waiting"
@@ -339,7 +255,7 @@ def test_a_step_record_reads_the_clock_once():
     step began ``duration`` before it, after the previous step ended; the record takes keywords only."""
     from minillm.engine import StepRecord
 
-    engine = Engine(MODEL, max_batch_size=2)
+    engine = Engine(ENGINE_MODEL, max_batch_size=2)
     for request in workload(4, seed=11, max_tokens=5):
         engine.add_request(request)
     previous = 0.0

@@ -1,13 +1,13 @@
 """The online interface: add_request at any time, step() reports each new token, abort() frees a request."""
 import pytest
-from test_engine import MODEL, check_tables, drive, greedy_reference, workload
+from conftest import ENGINE_MODEL, check_tables, drive, greedy_reference, workload
 
 from minillm.engine import Engine, Request, StepOutput
 
 
 def test_requests_added_between_steps_stream_the_tokens_of_generate_alone():
     requests = workload(6, seed=7, max_tokens=10)
-    engine = Engine(MODEL, max_batch_size=3, max_num_batched_tokens=8)
+    engine = Engine(ENGINE_MODEL, max_batch_size=3, max_num_batched_tokens=8)
     assert engine.step() == [] and not engine.has_unfinished()
     outputs, records = drive(engine, {0: requests[:2], 2: requests[2:3], 5: requests[3:]})
     assert not engine.has_unfinished() and engine.step() == []
@@ -24,7 +24,7 @@ def test_requests_added_between_steps_stream_the_tokens_of_generate_alone():
 
 def test_run_is_the_same_loop():
     requests = workload(5, seed=8, max_tokens=6)
-    engine = Engine(MODEL, max_batch_size=2)
+    engine = Engine(ENGINE_MODEL, max_batch_size=2)
     outputs, _ = drive(engine, {0: requests})
     result = engine.run(requests)  # the engine is idle again, so it can run a workload
     assert [r.output_ids for r in result.requests] == [
@@ -34,7 +34,7 @@ def test_run_is_the_same_loop():
 def test_eos_is_reported_as_the_finish_reason():
     prompt = [5, 6, 7]
     eos = greedy_reference(tuple(prompt))[2]
-    engine = Engine(MODEL, eos_token_id=eos)
+    engine = Engine(ENGINE_MODEL, eos_token_id=eos)
     outputs, _ = drive(engine, {0: [Request("r", prompt, 10)]})
     last = outputs["r"][-1]
     assert last.finished and last.finish_reason == "eos" and last.new_token_ids == [eos]
@@ -46,7 +46,7 @@ def test_abort_frees_a_waiting_or_running_request_at_once(caching):
     blocks at once (shared prefix blocks stay with whoever still holds them)."""
     prefix = list(range(60, 76))
     a, b, c = (Request(name, prefix + [i], 20) for i, name in enumerate("abc"))
-    engine = Engine(MODEL, max_batch_size=2, block_size=4, enable_prefix_caching=caching)
+    engine = Engine(ENGINE_MODEL, max_batch_size=2, block_size=4, enable_prefix_caching=caching)
     engine.add_request(a)
     engine.step()
     engine.add_request(c)
@@ -70,7 +70,7 @@ def test_abort_frees_a_waiting_or_running_request_at_once(caching):
 
 
 def test_add_request_checks_its_argument():
-    engine = Engine(MODEL, num_blocks=2, block_size=8)
+    engine = Engine(ENGINE_MODEL, num_blocks=2, block_size=8)
     engine.add_request(Request("x", [1, 2], 3))
     with pytest.raises(ValueError, match="request_id 'x' is already waiting or running"):
         engine.add_request(Request("x", [3], 3))

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import STORY_PROMPT, TINY_GGUF, llama_permute, write_tiny_gguf
 
 from minillm import generate, load_pretrained
 from minillm.checkpoints.gguf import read_gguf, split_q4_1, split_q8_0, unpermute_rope_rows
@@ -34,7 +35,6 @@ from minillm.model import empty_model
 
 T = gguf.GGMLQuantizationType
 BF16_ULP = 2 ** -8
-PROMPT = "Once upon a time, in a small village,"
 
 
 def q4_1_groups(out_features: int, in_features: int, seed: int = 0):
@@ -116,57 +116,6 @@ def test_q8_0_as_two_4_bit_planes_is_exact():
 
 # --- tiny GGUF files ----------------------------------------------------------------------------------------
 
-D, HEADS, KV_HEADS, HEAD_DIM, FF, VOCAB, LAYERS = 64, 2, 1, 32, 128, 96, 2
-
-
-def llama_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf.py permute() of q/k rows."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
-def write_tiny_gguf(path, types: dict[str, T], default: T = T.Q4_1, tie: bool = False) -> dict[str, np.ndarray]:
-    """A 2-layer LLaMA GGUF with matmul weights of ``default`` type (``types`` overrides by GGUF name), the
-    embedding Q8_0, norms F32; -> the float weights written (before quantization, GGUF names)."""
-    rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for add, value in [(writer.add_block_count, LAYERS), (writer.add_embedding_length, D),
-                       (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
-                       (writer.add_rope_dimension_count, HEAD_DIM), (writer.add_feed_forward_length, FF),
-                       (writer.add_context_length, 64), (writer.add_rope_freq_base, 10000.0),
-                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_vocab_size, VOCAB)]:
-        add(value)
-    shapes = {"token_embd.weight": (VOCAB, D)} | ({} if tie else {"output.weight": (VOCAB, D)})
-    for i in range(LAYERS):
-        shapes |= {f"blk.{i}.attn_q.weight": (HEADS * HEAD_DIM, D),
-                   f"blk.{i}.attn_k.weight": (KV_HEADS * HEAD_DIM, D),
-                   f"blk.{i}.attn_v.weight": (KV_HEADS * HEAD_DIM, D),
-                   f"blk.{i}.attn_output.weight": (D, HEADS * HEAD_DIM),
-                   f"blk.{i}.ffn_gate.weight": (FF, D), f"blk.{i}.ffn_up.weight": (FF, D),
-                   f"blk.{i}.ffn_down.weight": (D, FF)}
-    weights = {}
-    for name, shape in shapes.items():
-        w = (rng.standard_normal(shape) / np.sqrt(shape[1] if "embd" not in name else 1)).astype(np.float32)
-        stored = llama_permute(w, HEADS) if "attn_q" in name else llama_permute(w, KV_HEADS) if "attn_k" in name else w
-        kind = T.Q8_0 if name == "token_embd.weight" else types.get(name, default)
-        if kind == T.F32:
-            writer.add_tensor(name, stored)
-        elif kind == T.F16:
-            writer.add_tensor(name, stored.astype(np.float16))
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(stored, kind), raw_dtype=kind)
-        weights[name] = w
-    for i in range(LAYERS):
-        for norm in ("attn_norm", "ffn_norm"):
-            writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + rng.standard_normal(D) / 10).astype(np.float32))
-    writer.add_tensor("output_norm.weight", np.ones(D, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return weights
-
-
 def float32_model(path):
     """Today's path: every tensor dequantized to float32."""
     checkpoint = read_gguf(path)
@@ -196,7 +145,7 @@ def test_a_mixed_file_loads_q4_1_and_q8_0_as_blocks_and_f16_as_float(tmp_path, t
         ours = getattr(layers[1].self_attn, proj).dequantized(torch.float32)
         theirs = getattr(reference.model.layers[1].self_attn, proj).weight
         torch.testing.assert_close(ours, theirs, rtol=0, atol=2 * BF16_ULP * float(theirs.abs().max()))
-    ids = torch.randint(0, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, TINY_GGUF.vocab_size, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         ours, theirs = model(ids).float(), reference(ids)
     assert (ours - theirs).abs().max() < 0.1 * theirs.abs().max()  # bfloat16 or int8 activations, 2 layers
@@ -211,7 +160,7 @@ def test_the_raw_rows_of_q_and_k_are_unpermuted_whole(tmp_path):
     values = d.repeat_interleave(32, 1) * q + m.repeat_interleave(32, 1)
     expected = gguf.quants.dequantize(gguf.quants.quantize(weights["blk.0.attn_q.weight"], T.Q4_1), T.Q4_1)
     assert np.array_equal(values.numpy(), expected)
-    assert np.array_equal(unpermute_rope_rows(llama_permute(expected, HEADS), HEADS), expected)
+    assert np.array_equal(unpermute_rope_rows(llama_permute(expected, TINY_GGUF.n_heads), TINY_GGUF.n_heads), expected)
 
 
 @pytest.mark.parametrize("kind, words", [
@@ -289,7 +238,7 @@ def test_smollm2_int4_greedy_tokens_over_128_steps(smollm2):
     at token 16, 0.005 apart). Given float32's own prefix, int4 picks float32's token at 124 of the 128 steps
     (>= 95% asserted; PyTorch's int4 kernel, bfloat16 activations: 127)."""
     float32, int4, tokenizer = smollm2
-    prompt = tokenizer.encode(PROMPT)
+    prompt = tokenizer.encode(STORY_PROMPT)
     reference = generate(float32, prompt, 128, eos_token_id=None)
     tokens = generate(int4, prompt, 128, eos_token_id=None)
     first = next((i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b), 128)

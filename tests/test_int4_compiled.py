@@ -4,7 +4,7 @@ compiled (where a C++ compiler exists) its logits agree within the activations' 
 agree up to a near tie."""
 import pytest
 import torch
-from test_int4 import PROMPT, VOCAB, T, write_tiny_gguf
+from conftest import STORY_PROMPT, TINY_GGUF, write_tiny_gguf
 
 from minillm import KVCache, generate
 from minillm.checkpoints.gguf import read_gguf
@@ -21,7 +21,7 @@ def tiny_int4(tmp_path_factory):
     """A 2-layer GGUF of Q4_1 weights (an untied Q4_1 head: the tied random one repeats a single token), loaded
     as it is: every matmul through the kernel."""
     path = tmp_path_factory.mktemp("int4") / "tiny.gguf"
-    write_tiny_gguf(path, {}, default=T.Q4_1, tie=False)
+    write_tiny_gguf(path, {}, tie=False)  # every matmul Q4_1, the default
     model = int4_model(read_gguf(path, RAW_TYPES))
     assert list(kernels_used(model)) == ["blockdot (Q4_1 blocks, int8 activations)"]
     return model
@@ -44,7 +44,7 @@ def assert_same_up_to_a_near_tie(model, prompt: list[int], reference: list[int],
 
 
 def test_the_eager_static_step_gives_the_tiny_int4_model_s_generate_tokens(tiny_int4):
-    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(2)).tolist()
+    prompt = torch.randint(0, TINY_GGUF.vocab_size, (6,), generator=torch.Generator().manual_seed(2)).tolist()
     decoder = StaticDecoder(tiny_int4, 40, backend="eager")
     tokens = decoder.generate(prompt, 30)
     assert tokens == generate(tiny_int4, prompt, 30, eos_token_id=None)
@@ -57,7 +57,7 @@ def test_the_eager_static_step_gives_smollm2_int4_s_generate_tokens():
     step. The two agree up to a near tie (under demo.INT8_ACTIVATIONS_TIE): on an AMD EPYC they split at
     token 5, where the float32 model too is nearly undecided (its top two 0.10 apart at one thread)."""
     model, tokenizer = load_int4("smollm2-135m-instruct")
-    prompt = tokenizer.encode(PROMPT)
+    prompt = tokenizer.encode(STORY_PROMPT)
     decoder = StaticDecoder(model, len(prompt) + 32, backend="eager")
     reference = generate(model, prompt, 32, eos_token_id=None)
     assert_same_up_to_a_near_tie(model, prompt, reference, decoder.generate(prompt, 32), minimum=4)
@@ -69,7 +69,7 @@ def test_the_compiled_static_step_agrees_with_the_int4_model(tiny_int4):
     sum in another order, and the activations' int8 steps follow); free-running, the tokens agree up to a
     near tie."""
     model = tiny_int4
-    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(2)).tolist()
+    prompt = torch.randint(0, TINY_GGUF.vocab_size, (6,), generator=torch.Generator().manual_seed(2)).tolist()
     compiled = StaticDecoder(model, 40)
     assert compiled.backend == "compile", compiled.reason
     reference = generate(model, prompt, 30, eos_token_id=None)

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from conftest import SMALL, random_ids
+from conftest import CAUSAL, SMALL, random_ids, sdpa_spy
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -132,22 +132,6 @@ def test_eager_equals_sdpa(small_model):
         small_model.set_attention_impl("sdpa")
     torch.testing.assert_close(eager, sdpa, **F32)
     torch.testing.assert_close(cached_eager, sdpa, **F32)
-
-
-def sdpa_spy(monkeypatch) -> list[tuple[bool, str | None]]:
-    """Record (is_causal, the mask's kind: None or "tensor") for every scaled_dot_product_attention call."""
-    calls, real = [], torch.nn.functional.scaled_dot_product_attention
-
-    def spy(q, k, v, attn_mask=None, is_causal=False, **kwargs):
-        kind = None if attn_mask is None else "tensor"
-        calls.append((is_causal, kind))
-        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    return calls
-
-
-CAUSAL = [(True, None)]  # one layer of a fresh prompt: the causal kernel ran, with no mask built
 
 
 def test_a_fresh_prompt_skips_the_masked_half_and_later_calls_keep_their_mask(small_model, monkeypatch):

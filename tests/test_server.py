@@ -4,44 +4,22 @@ OpenAI error and the server keeps serving, a client that leaves frees its KV blo
 import asyncio
 import json
 import random
-import time
 
 import httpx
 import openai
 import pytest
+from conftest import SERVER_BLOCK_SIZE, SERVER_NUM_BLOCKS, TIMEOUT, wait_until_idle
 
 from minillm import ByteTokenizer, generate
-from minillm.serving import launch_server
 from minillm.serving.app import chat_prompt_ids
 
-NUM_BLOCKS, BLOCK_SIZE = 24, 16  # a pool of 384 tokens (the context is 2048): some requests can never fit
-MAX_TOTAL = NUM_BLOCKS * BLOCK_SIZE + 1  # the last token needs no slot
+MAX_TOTAL = SERVER_NUM_BLOCKS * SERVER_BLOCK_SIZE + 1  # the last token needs no slot
 EOS = ByteTokenizer.eos_token_id
-TIMEOUT = 30  # s, any one HTTP call
-
-
-@pytest.fixture(scope="module")
-def server():
-    args = ["--model", "tiny", "--device", "cpu", "--threads", "1", "--max-batch-size", "8",
-            "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--no-access-log"]
-    with launch_server(args, startup_timeout=60) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")
 def sdk(server):
     return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=TIMEOUT)
-
-
-def wait_until_idle(server, deadline_s: float = TIMEOUT) -> dict:
-    """/health once nothing runs or waits and every KV block is free (a client's exit is noticed
-    asynchronously); the last reading if that takes longer than the deadline."""
-    end = time.monotonic() + deadline_s
-    while True:
-        health = server.health()
-        if (health["running"], health["waiting"], health["kv_blocks_used"]) == (0, 0, 0) or time.monotonic() > end:
-            return health
-        time.sleep(0.02)
 
 
 def records(server) -> dict:
@@ -52,7 +30,7 @@ def test_models_and_health(server, sdk):
     assert [m.id for m in sdk.models.list()] == ["tiny"]
     assert sdk.models.retrieve("tiny").id == "tiny"
     health = server.health()
-    assert health["status"] == "ok" and health["kv_blocks_total"] == NUM_BLOCKS
+    assert health["status"] == "ok" and health["kv_blocks_total"] == SERVER_NUM_BLOCKS
 
 
 def test_the_openai_sdk_streams_a_chat_completion_equal_to_generate(sdk, tiny_model, tokenizer):
@@ -132,7 +110,7 @@ BAD_REQUESTS = [  # (path, body: dict, or bytes sent as they are), status, param
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 3000}, 400, "max_tokens",
      "exceeds max_seq_len=2048"),
     ("/v1/completions", {"model": "tiny", "prompt": [7] * 100, "max_tokens": 300}, 400, "max_tokens",
-     f"more than the whole pool of {NUM_BLOCKS}"),
+     f"more than the whole pool of {SERVER_NUM_BLOCKS}"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", "greater than"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "temperature": -0.5}, 400, "temperature", "-0.5"),
     ("/v1/completions", {"model": "tiny", "prompt": "Hi", "temperature": 2.5}, 400, "temperature", "2.5"),
@@ -227,7 +205,7 @@ def test_the_frontend_asks_the_engine_what_fits_the_pool(tiny_model, tokenizer):
     from minillm.serving.app import Frontend
     from minillm.serving.loop import EngineLoop
 
-    engine = Engine(tiny_model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    engine = Engine(tiny_model, num_blocks=SERVER_NUM_BLOCKS, block_size=SERVER_BLOCK_SIZE)
     assert engine.max_total_tokens == MAX_TOTAL
     assert Frontend(tokenizer, EngineLoop(engine), "tiny").max_total == engine.max_total_tokens
     assert engine.rejection(Request(0, [1] * 10, MAX_TOTAL - 10)) is None

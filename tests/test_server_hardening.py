@@ -1,4 +1,4 @@
-"""Client mistakes and degenerate values against the server (the tiny model, started as in test_server.py):
+"""Client mistakes and degenerate values against the server (the tiny model, conftest's ``server``):
 each gets a 400 naming its field, or a sane answer, never a 500 and never harm to other requests in flight.
 
 Defects of the reliability review (reviews/reliability-security.md, D1, D4, D6, D9, D10)."""
@@ -7,14 +7,14 @@ import threading
 
 import httpx
 import pytest
-from test_server import TIMEOUT, server, wait_until_idle  # noqa: F401 - the server fixture, reused
+from conftest import TIMEOUT, wait_until_idle
 
 from minillm.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body, sse
 
 HEADERS = {"Content-Type": "application/json"}
 
 
-def post(server, path: str, body: dict | bytes) -> httpx.Response:  # noqa: F811 - server is the fixture
+def post(server, path: str, body: dict | bytes) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(f"{server.base}{path}", content=content, timeout=TIMEOUT, headers=HEADERS)
 
@@ -26,7 +26,7 @@ def refusal(response: httpx.Response) -> dict:
     return error
 
 
-def greedy_completion(server, **extra) -> dict:  # noqa: F811
+def greedy_completion(server, **extra) -> dict:
     response = post(server, "/v1/completions", {"model": "tiny", "prompt": "Once", "max_tokens": 6,
                                                 "ignore_eos": True, "return_token_ids": True, **extra})
     assert response.status_code == 200, response.text
@@ -37,7 +37,7 @@ def greedy_completion(server, **extra) -> dict:  # noqa: F811
 # and every request in flight failed.
 @pytest.mark.parametrize("extra", [{"temperature": 1e-300}, {"temperature": 5e-324},
                                    {"temperature": 1.0, "top_p": 1e-300}])
-def test_a_degenerate_temperature_or_top_p_is_greedy(server, extra):  # noqa: F811
+def test_a_degenerate_temperature_or_top_p_is_greedy(server, extra):
     greedy = greedy_completion(server, temperature=0)["choices"][0]["token_ids"]
     assert greedy_completion(server, seed=5, **extra)["choices"][0]["token_ids"] == greedy
 
@@ -50,7 +50,7 @@ def test_an_event_s_json_is_ascii_so_no_client_cuts_its_line():
     assert json.loads(event[6:])["choices"][0]["text"] == "a\u2028b\x85c\u00e9"
 
 
-def test_a_degenerate_request_leaves_the_streams_in_flight_alone(server):  # noqa: F811
+def test_a_degenerate_request_leaves_the_streams_in_flight_alone(server):
     finishes = []
 
     def stream():
@@ -79,19 +79,19 @@ def test_a_degenerate_request_leaves_the_streams_in_flight_alone(server):  # noq
     ("/v1/chat/completions", rb'{"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": '
                              rb'[{"type": "text", "text": "a"}, {"type": "text", "text": "\udfff"}]}]}', "messages"),
 ])
-def test_a_lone_surrogate_is_a_400_naming_the_field(server, path, raw, param):  # noqa: F811
+def test_a_lone_surrogate_is_a_400_naming_the_field(server, path, raw, param):
     error = refusal(post(server, path, raw))
     assert error["param"] == param and "surrogate" in error["message"]
 
 
 @pytest.mark.parametrize("seed", [2**64, 2**70, -2**63 - 1])
-def test_a_seed_outside_64_bits_is_a_400_naming_seed(server, seed):  # noqa: F811
+def test_a_seed_outside_64_bits_is_a_400_naming_seed(server, seed):
     error = refusal(post(server, "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1, "seed": seed}))
     assert error["param"] == "seed" and "64-bit seed range" in error["message"]
 
 
 @pytest.mark.parametrize("seed", [2**64 - 1, -2**63, 0])
-def test_seeds_at_the_ends_of_the_range_are_served(server, seed):  # noqa: F811
+def test_seeds_at_the_ends_of_the_range_are_served(server, seed):
     greedy_completion(server, temperature=1.0, seed=seed)
 
 
@@ -102,7 +102,7 @@ def test_seeds_at_the_ends_of_the_range_are_served(server, seed):  # noqa: F811
     ("function_call", "auto"), ("function_call", {"name": "f"}), ("min_p", 0.1),
     ("n", True), ("n", 1.0), ("frequency_penalty", False),
 ])
-def test_fields_the_server_cannot_honour_are_refused_by_name(server, field, value):  # noqa: F811
+def test_fields_the_server_cannot_honour_are_refused_by_name(server, field, value):
     for path, body in [("/v1/completions", {"model": "tiny", "prompt": "Hi"}),
                        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]})]:
         error = refusal(post(server, path, body | {field: value, "max_tokens": 1}))
@@ -111,7 +111,7 @@ def test_fields_the_server_cannot_honour_are_refused_by_name(server, field, valu
 
 @pytest.mark.parametrize("extra", [{"n": 1}, {"logprobs": None}, {"logprobs": False}, {"stop_token_ids": []},
                                    {"repetition_penalty": 1.0}, {"presence_penalty": 0.0}, {"functions": None}])
-def test_neutral_values_of_those_fields_are_accepted(server, extra):  # noqa: F811
+def test_neutral_values_of_those_fields_are_accepted(server, extra):
     greedy_completion(server, **extra)
 
 

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 import torch
-from test_server import TIMEOUT, wait_until_idle
+from conftest import TIMEOUT, wait_until_idle
 
 from minillm import ByteTokenizer, generate
 from minillm.engine import Engine, Request

@@ -61,6 +61,22 @@ def test_cache_and_attention_shapes_in_a_decode_step(small_model):
     assert by_tensor["logits"] == (2, 1, SMALL.vocab_size)
 
 
+def test_rotated_keys_and_the_attention_output_in_a_prefill(small_model):
+    """k after RoPE (B, Hkv, T, D) is what the cache stores; the heads' output (B, H, T, D) is what o_proj reads,
+    joined as (B, T, H * D)."""
+    attention = small_model.model.layers[0].self_attn
+    seen = []
+    hook = attention.o_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape) and None)
+    cache = KVCache(SMALL, batch_size=2, max_len=5)
+    with torch.inference_mode():
+        small_model(random_ids(SMALL.vocab_size, (2, 5)), cache=cache)
+    hook.remove()
+    by_tensor = {s.tensor: s.shape for row in forward_stages(SMALL, batch=2, tokens=5, keys=5) for s in row}
+    B, H, T, D = by_tensor["out"]
+    assert (B, T, H * D) == tuple(seen[0]) and H == SMALL.n_heads and D == SMALL.head_dim
+    assert by_tensor["k"] == tuple(cache.k[0].shape) == (2, SMALL.n_kv_heads, 5, SMALL.head_dim)
+
+
 def test_symbolic_shapes_and_the_block_rows():
     rows = forward_stages(SMOLLM2)
     assert [format_shape(s.shape) for s in rows[-1]] == ["(B, T, 49,152)"]
@@ -84,8 +100,9 @@ def test_decoder_diagram_draws_every_stage_with_the_config_numbers():
     assert {f"stage-{r}-{i}" for r, row in enumerate(rows) for i in range(len(row))} <= gids
     assert len([g for g in gids if g and g.startswith("stage-")]) == n_stages
     assert "block" in gids
-    for piece in ("embed_tokens: 49,152 x 576 table", "q (B, T, 576)", "k, v (B, T, 192)",
-                  "K, V (B, 3, S, 64)", "weights (B, 9, T, S)", "repeated 30 times", "SmolLM2-135M"):
+    for piece in ("embed_tokens: 49,152 x 576 table", "q (B, T, 576)", "k, v (B, T, 192)", "q (B, 9, T, 64)",
+                  "k (B, 3, T, 64)", "K, V (B, 3, S, 64)", "weights (B, 9, T, S)", "out (B, 9, T, 64)",
+                  "repeated 30 times", "SmolLM2-135M"):
         assert piece in texts, piece
     assert not any("\u4e00" <= ch <= "\u9fff" for ch in texts), "no CJK glyphs in figures"
     assert ax.get_title().endswith("the residual stream keeps the shape (B, T, 576)")
@@ -114,6 +131,21 @@ def test_prefill_decode_diagram_is_drawn_to_scale():
     texts = "\n".join(_texts(ax))
     assert "X (512 x 576)" in texts and "Y (1 x 576)" in texts and "1/512 of the prefill" in texts
     assert "339.7 MFLOP" in texts and "0.7 MFLOP" in texts  # 2 x 512 x 576 x 576 and 2 x 576 x 576
+    matplotlib.pyplot.close("all")
+
+
+@pytest.mark.parametrize("prompt_len", [512, 40, 4])
+def test_prefill_decode_operator_signs_clear_the_headings(prompt_len):
+    """The "@" and "=" between thin one-row matrices sit below the phase's heading lines, not on them."""
+    ax = draw_prefill_decode(SMOLLM2, prompt_len)
+    renderer = ax.figure.canvas.get_renderer()
+    boxes = {}
+    for text in ax.texts:
+        boxes.setdefault(text.get_gid(), []).append(text.get_window_extent(renderer))
+    for phase in ("prefill", "decode"):
+        signs, headings = boxes[f"{phase}-op"], boxes[f"{phase}-heading"] + boxes[f"{phase}-uses"]
+        assert len(signs) == 2 and len(headings) == 2
+        assert not any(sign.overlaps(heading) for sign in signs for heading in headings), phase
     matplotlib.pyplot.close("all")
 
 

@@ -68,10 +68,12 @@ def forward_stages(config: ModelConfig, batch: Dim = "B", tokens: Dim = "T",
                f"{layer}.self_attn.k_proj", "k, v"),
          Stage("v_proj", f"{d:,} -> {Hkv} x {D}", (B, T, Hkv * D), "attention",
                f"{layer}.self_attn.v_proj", "k, v")],
-        [Stage("RoPE on q, k", "rotate by position", (B, H, T, D), "attention", tensor="q")],
+        [Stage("RoPE on q", "rotate by position", (B, H, T, D), "attention", tensor="q"),
+         Stage("RoPE on k", "rotate by position", (B, Hkv, T, D), "attention", tensor="k")],
         [Stage("KV cache", "write new k, v; read all", (B, Hkv, S, D), "cache", tensor="K, V")],
-        [Stage("attention", f"softmax(q K^T / sqrt({D})) V, causal", (B, H, T, S), "attention",
+        [Stage("attention weights", f"softmax(q K^T / sqrt({D})), causal", (B, H, T, S), "attention",
                tensor="weights")],
+        [Stage("weights @ V", "each head's mix of values", (B, H, T, D), "attention", tensor="out")],
         [Stage("o_proj", f"{H} x {D} -> {d:,}", (B, T, d), "attention", f"{layer}.self_attn.o_proj")],
         [Stage("+", "residual", (B, T, d), "residual")],
         [Stage("RMSNorm", "post_attention_layernorm", (B, T, d), "norm",
@@ -86,7 +88,7 @@ def forward_stages(config: ModelConfig, batch: Dim = "B", tokens: Dim = "T",
     ]
 
 
-BLOCK_ROWS = (2, 13)  # the first and last row of forward_stages that belong to the decoder block
+BLOCK_ROWS = (2, 14)  # the first and last row of forward_stages that belong to the decoder block
 
 
 def format_shape(shape: tuple[Dim, ...]) -> str:
@@ -209,7 +211,8 @@ def draw_prefill_decode(config: ModelConfig, prompt_len: int, weight: str = "q_p
     """Prefill (top) against decode (bottom): the same weight W times a (T x d) or a (1 x d) input.
 
     Drawn to scale, one unit per row or column (a 1-row matrix is thickened to stay visible).
-    Returns the axes; the matrices have gids ``"prefill-X"``, ``"prefill-W"``, ``"decode-Y"``, ...
+    Returns the axes; the matrices have gids ``"prefill-X"``, ``"prefill-W"``, ``"decode-Y"``, ..., the
+    operator signs ``"<phase>-op"`` and each phase's two heading lines ``"<phase>-heading"``, ``"<phase>-uses"``.
     """
     from matplotlib.patches import Rectangle
 
@@ -238,18 +241,20 @@ def draw_prefill_decode(config: ModelConfig, prompt_len: int, weight: str = "q_p
                                    linewidth=1.0, gid=f"{phase}-{key}"))
             ax.text(x + w / 2, top - h - 0.06 * inch, names[key], ha="center", va="top", fontsize=10)
             x += w
-            if op:
-                ax.text(x + gap / 2, top - min(sizes["X"][1], sizes["W"][1]) / 2, op, ha="center",
-                        va="center", fontsize=16)
+            if op:  # centred on the thinner matrix, but never up into the heading above it
+                centre = max(min(sizes["X"][1], sizes["W"][1]) / 2, 0.18 * inch)
+                ax.text(x + gap / 2, top - centre, op, ha="center", va="center", fontsize=16,
+                        gid=f"{phase}-op")
                 x += gap
         if phase == "prefill":
             head = f"Prefill: {m.rows:,} prompt tokens in one call"
         else:
             head = "Decode: one new token per call"
         uses = f"each weight read from memory is used for {m.rows:,} row{'s' if m.rows > 1 else ''}"
-        ax.text(0, top + 0.3 * inch, head, ha="left", va="bottom", fontsize=10.5, fontweight="bold")
+        ax.text(0, top + 0.3 * inch, head, ha="left", va="bottom", fontsize=10.5, fontweight="bold",
+                gid=f"{phase}-heading")
         ax.text(0, top + 0.07 * inch, f"{uses}: {m.flops / 1e6:,.1f} MFLOP", ha="left", va="bottom",
-                fontsize=10)
+                fontsize=10, gid=f"{phase}-uses")
         if phase == "decode":
             ax.text(x - m.d_out, top - 0.45 * m.d_in, f"the same W, the same bytes read,\n"
                     f"1/{p.rows:,} of the prefill's multiply-adds", ha="left", va="center", fontsize=10,

@@ -11,12 +11,13 @@ import pytest
 import uvicorn
 
 from minillm.analysis.metrics import SLO, e2e_latency, itls, tpot, ttft
+from minillm.analysis.workload import poisson_arrivals, random_requests
 from minillm.engine import Engine, Request, RequestRecord, Status
-from minillm.engine.workload import poisson_arrivals, random_requests
 from minillm.sampling import SamplingParams
 from minillm.serving import bench as bench_client
 from minillm.serving.app import RECORDS_PAGE_MAX, create_app
 from minillm.serving.bench import (
+    StreamError,
     compare_with_engine,
     fetch_engine_records,
     main,
@@ -27,6 +28,8 @@ from minillm.serving.bench import (
 )
 from minillm.serving.launch import free_port
 from minillm.text.byte import ByteTokenizer
+
+pytestmark = pytest.mark.slow  # starts a server
 
 
 class FakeClock:
@@ -201,8 +204,13 @@ MODES = {  # mode: the SSE events (None: special), and the words its failure's r
     "json200": (None, "without a token"),
     "drip": (None, "no token for"),  # an SSE comment every 0.1 s, never a token
     "slow": (None, "took more than"),  # a token every 0.1 s, never an end
+    "forever": (None, "more tokens than"),  # 100 tokens a second, never an end
+    "noline": (None, "no token for"),  # 1 KB every 50 ms, never a line break
+    "slowheaders": (None, "no token for"),  # a response header that never ends
+    "drip-stream": (None, "no token for"),  # a valid stream, a byte every 0.3 s
 }
 MODE_NAMES = list(MODES)
+DEADLINE_MODES = ("drip", "slow", "forever", "noline", "slowheaders", "drip-stream")
 
 
 class _FakeServer:
@@ -230,26 +238,61 @@ class _FakeServer:
                 self.wfile.write(body)
 
             def do_GET(self):
+                mode = self.mode()
+                if mode == "models-drip" and self.path.endswith("/v1/models"):
+                    return self.drip(b'{"data": [{"id": "fake"}]}', 0.5)
+                if mode == "pages-forever" and "/minillm/requests" in self.path:
+                    offset = int(self.path.partition("offset=")[2].partition("&")[0] or 0)
+                    page = {"requests": [], "total": 10**9, "offset": offset, "next_offset": offset + 1}
+                    return self.reply(200, json.dumps(page).encode())
                 if self.path.endswith("/v1/models"):
                     self.reply(200, json.dumps({"data": [{"id": "fake"}]}).encode())
                 else:  # /minillm/requests of a server that is not minillm
                     self.reply(200, b"<html>not a minillm server</html>", "text/html")
 
+            def drip(self, data: bytes, every: float, head: bool = True) -> None:
+                """Send ``data`` a byte at a time (bounded: 20 s at most)."""
+                try:
+                    if head:
+                        self.send_response(200)
+                        self.send_header("Content-Type", "application/json")
+                        self.end_headers()
+                    end = time.monotonic() + 20
+                    for byte in data:
+                        if time.monotonic() > end:
+                            return
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(every)
+                except OSError:  # the client left
+                    pass
+
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 mode = self.mode(body)
+                if mode == "slowheaders":  # a status line, then a header that never ends
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nX-Slow: ")
+                    return self.drip(b"a" * 100, 0.5, head=False)
+                if mode == "drip-stream":  # a valid stream, a byte every 0.3 s
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    events = [_tok("a"), _tok("b", "length"), USAGE, "[DONE]"]
+                    return self.drip("".join(f"data: {e}\n\n" for e in events).encode(), 0.3, head=False)
                 if mode == "json200":
                     return self.reply(200, json.dumps({"id": "cmpl-x", "choices": [{"text": "hi"}]}).encode())
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()  # HTTP/1.0: the body ends when the connection closes
                 try:
-                    if mode in ("drip", "slow"):
+                    if mode in ("drip", "slow", "forever", "noline"):
                         end = time.monotonic() + 20  # bounded even if the client never leaves
+                        piece = {"drip": b": ping\n\n", "slow": f"data: {_tok('a')}\n\n".encode(),
+                                 "forever": f"data: {_tok('a')}\n\n".encode() * 10, "noline": b"x" * 1024}[mode]
                         while time.monotonic() < end:
-                            self.wfile.write(b": ping\n\n" if mode == "drip" else f"data: {_tok('a')}\n\n".encode())
+                            self.wfile.write(piece)
                             self.wfile.flush()
-                            time.sleep(0.1)
+                            time.sleep(0.05 if mode == "noline" else 0.1)
                         return
                     for event in modes[mode][0]:
                         self.wfile.write(f"data: {event}\n\n".encode())
@@ -296,7 +339,7 @@ def bounded(fn, seconds: float = 30):
 
 
 def test_every_broken_stream_is_a_failed_request_with_its_reason(fake):
-    modes = [m for m in MODE_NAMES if m not in ("drip", "slow")]  # those two: the deadlines' tests below
+    modes = [m for m in MODE_NAMES if m not in DEADLINE_MODES]  # those: the deadlines' tests below
     requests = [Request(i, [MODE_NAMES.index(m), 1, 2], 2) for i, m in enumerate(modes)]
     result = bounded(lambda: run_benchmark(fake.url("any"), "fake", requests, concurrency=4, timeout=5.0))
     by_mode = dict(zip(modes, result.records))
@@ -517,3 +560,57 @@ def test_sse_lines_split_at_cr_lf_lf_and_cr_only():
     assert _lines([text + "\n\n"]) == [text, ""]
     assert _lines(["data: 1\r", "\ndata: 2\rdata: 3\n"]) == ["data: 1", "data: 2", "data: 3"]
     assert _lines(["data: x", "y\r\n", "\r\n", "data: [DONE]"]) == ["data: xy", "", "data: [DONE]"]
+
+
+@pytest.mark.parametrize("mode", ["forever", "noline", "slowheaders", "drip-stream"])
+def test_a_stream_that_never_ends_or_drips_fails_within_the_timeout(fake, mode):
+    """No --request-timeout: the idle deadline alone ends the request (a timer, not the next line), and a
+    stream that carries more tokens than max_tokens fails as soon as it does."""
+    start = time.monotonic()
+    result = bounded(lambda: run_benchmark(fake.url(mode), "fake", [Request(0, [1, 2], 3)], timeout=2.0), 15)
+    record = result.records[0]
+    assert record.error and MODES[mode][1] in record.error, record.error
+    assert time.monotonic() - start < 8
+
+
+def test_the_command_line_ends_with_its_json_against_a_stream_that_never_ends(fake, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    argv = ["--url", fake.url("forever"), "--model", "fake", "--num-requests", "2", "--concurrency", "2",
+            "--prompt-len", "4", "4", "--output-len", "3", "3", "--timeout", "3", "--json", str(out)]
+    assert bounded(lambda: main(argv), 20) == 1
+    assert json.loads(out.read_text())["metrics"]["failed"] == 2
+    assert "2 x StreamError: more tokens than" in capsys.readouterr().out
+
+
+def test_a_models_list_that_drips_is_an_error_within_the_timeout(fake, capsys):
+    start = time.monotonic()
+    assert bounded(lambda: main(["--url", fake.url("models-drip"), "--num-requests", "1", "--timeout", "2"]), 20) == 1
+    assert "cannot list the models" in capsys.readouterr().err and time.monotonic() - start < 8
+
+
+def test_records_that_page_forever_end_with_an_error_and_the_json(fake, tmp_path, capsys):
+    out = tmp_path / "run.json"
+    argv = ["--url", fake.url("pages-forever"), "--model", "fake", "--num-requests", "1", "--prompt-len", "2", "2",
+            "--output-len", "2", "2", "--timeout", "3", "--compare-engine", "--json", str(out)]
+    bounded(lambda: main(argv), 30)
+    assert "--compare-engine: no comparison" in capsys.readouterr().out
+    assert "error" in json.loads(out.read_text())["engine"]
+
+
+def test_sse_lines_is_linear_and_caps_a_line():
+    """A line arriving in 64 KiB pieces: found in time linear in its length; past the cap, a StreamError."""
+    piece = "x" * 65536
+
+    async def pieces(n: int):
+        for _ in range(n):
+            yield piece
+        yield "\n"
+
+    async def collect(n: int):
+        return [line async for line in sse_lines(pieces(n))]
+
+    start = time.monotonic()
+    assert [len(line) for line in asyncio.run(collect(15))] == [15 * 65536]  # just under 1 MiB
+    with pytest.raises(StreamError, match="longer than"):
+        asyncio.run(collect(256))  # 16 MiB
+    assert time.monotonic() - start < 2

@@ -10,6 +10,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import bench_peers  # noqa: E402  (a script folder, not a package)
 
+pytestmark = pytest.mark.slow  # runs the benchmark script
+
 
 def test_a_python_without_llama_cpp_is_named_with_the_reason(tmp_path):
     fake = tmp_path / "python"

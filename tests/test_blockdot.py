@@ -16,6 +16,8 @@ from minillm.checkpoints.gguf import split_q4_1, split_q8_0
 from minillm.fast.blockdot import BlockLinear, blockdot_problem, kernel_isa, pack_q4_1, pack_q8_0, unpack
 from minillm.fast.int4 import model_kernel
 
+pytestmark = pytest.mark.slow  # builds the C++ block kernel
+
 T = gguf.GGMLQuantizationType
 
 

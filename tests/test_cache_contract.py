@@ -30,9 +30,35 @@ def imported_modules(module) -> set[str]:
     return names
 
 
-def test_the_model_asks_no_cache_what_kind_it_is():
-    source = inspect.getsource(model_module)
-    assert "hasattr(cache" not in source and ".parts" not in source and "isinstance(cache" not in source
+CONTRACT = {"default_positions", "begin", "attend", "end"}
+
+
+class Watched:
+    """A view that hands the model the four ``CacheView`` methods of ``inner`` and nothing else, noting every
+    attribute the model asks it for (``hasattr`` included)."""
+
+    def __init__(self, inner):
+        self.inner, self.asked = inner, set()
+
+    def __getattr__(self, name):  # reached for every name the instance itself does not hold
+        self.asked.add(name)
+        if name not in CONTRACT:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def test_the_model_asks_no_cache_what_kind_it_is(small_model):
+    """Through a view that is no known class and answers only the contract, every kind of cache gives the same
+    logits as itself: the model neither asks for more nor branches on the class."""
+    ids = random_ids(SMALL.vocab_size, (1, 5), seed=8)
+    for make in (lambda: KVCache(SMALL, 1, 8), lambda: PagedCacheView(PagedKVPool(SMALL, 4, 4), [[2, 0]], [0])):
+        plain, inner = make(), make()
+        watched = Watched(inner)
+        expected = [small_model(ids[:, :3], cache=plain), small_model(ids[:, 3:], cache=plain)]
+        got = [small_model(ids[:, :3], cache=watched), small_model(ids[:, 3:], cache=watched)]
+        for g, e in zip(got, expected):
+            assert torch.equal(g, e)
+        assert watched.asked == CONTRACT  # positions by default: default_positions was asked too
     banned = ("engine", "serving", "book", "labs")
     assert not [m for m in imported_modules(model_module) if any(b in m.split(".") for b in banned)]
 
@@ -110,6 +136,7 @@ def test_a_paged_prompt_from_position_0_skips_the_masked_half(small_model, monke
     torch.testing.assert_close(paged, eager, **ATOL)
 
 
+@pytest.mark.slow  # torch.compile
 def test_the_compiled_step_gives_the_models_logits(small_model):
     """decode_step, eager and compiled, runs the model's own layers: the logits of model(...) with a KVCache."""
     ids = random_ids(SMALL.vocab_size, (2, 10), seed=5)

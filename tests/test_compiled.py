@@ -13,7 +13,7 @@ from minillm.fast.compiled import StaticDecoder, choose_backend, decode_step, fi
 
 CPU = torch.device("cpu")
 # Compiling imports parts of torch that still use torch.jit.script_method (torch's warning, not ours).
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")]
 
 
 def test_static_step_equals_the_model_for_rows_at_different_positions(small_model):

@@ -13,6 +13,8 @@ from minillm.checkpoints.pretrained import PACKAGED, gguf_checkpoint
 from minillm.text.bpe import BPETokenizer
 from minillm.text.stream import TextStream
 
+pytestmark = pytest.mark.slow  # runs the command line in subprocesses
+
 NUMBER = r"\s+(\d+\.\d+)"
 CHINESE_PROMPT = "How do you say hello in Chinese?"  # greedy: 'Hello in Chinese is "哈哭！"', characters split
 

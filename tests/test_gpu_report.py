@@ -4,11 +4,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import gpu_report  # noqa: E402  (a script folder, not a package)
 
 
+@pytest.mark.slow  # the script in a subprocess
 def test_without_cuda_it_exits_2_with_a_clear_message(tmp_path):
     out_file = tmp_path / "report.md"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -62,6 +65,7 @@ def test_a_run_stopped_early_keeps_what_it_measured(tmp_path, monkeypatch):
     assert text.count("| ok |") == 1
 
 
+@pytest.mark.slow  # a notebook kernel and a subprocess
 def test_an_error_names_its_exception_and_the_deepest_frame_in_this_repository(tmp_path):
     """A notebook's error (through a real kernel) and a benchmark's (its stderr) say what failed and where."""
     import nbformat

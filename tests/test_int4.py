@@ -33,6 +33,8 @@ from minillm.fast.int4 import (
 from minillm.fast.quant import PRECISIONS, MatVecLinear, greedy_match, load_precision, streamed_bytes
 from minillm.model import empty_model
 
+pytestmark = pytest.mark.slow  # the C++ block kernel and SmolLM2
+
 T = gguf.GGMLQuantizationType
 BF16_ULP = 2 ** -8
 

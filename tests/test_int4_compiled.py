@@ -13,7 +13,7 @@ from minillm.fast.compiled import StaticDecoder, decode_step, find_compiler
 from minillm.fast.int4 import RAW_TYPES, int4_model, kernels_used, load_int4
 
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")]
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ from minillm.book.labs import checker, grade
 from minillm.book.labs.__main__ import main as labs_cli
 from minillm.book.labs.notebooks import grade_notebook, lab_cells
 
+pytestmark = pytest.mark.slow  # grades notebooks in subprocesses
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LABS = {p.name[:6]: p for p in (ROOT / "book" / "labs").glob("lab2_*.ipynb")}
 

@@ -14,6 +14,8 @@ from minillm.checkpoints.gguf import read_gguf, unpermute_rope_rows
 from minillm.checkpoints.pretrained import PACKAGED, PackagedModel, _read_gguf_cached, gguf_checkpoint, packaged_path
 from minillm.text.bpe import BPETokenizer
 
+pytestmark = pytest.mark.slow  # SmolLM2 against transformers
+
 NAME = "smollm2-135m-instruct"
 PROMPT = "Once upon a time, in a small village,"
 

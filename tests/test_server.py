@@ -13,6 +13,8 @@ from conftest import SERVER_BLOCK_SIZE, SERVER_NUM_BLOCKS, TIMEOUT, wait_until_i
 from minillm import ByteTokenizer, generate
 from minillm.serving.app import chat_prompt_ids
 
+pytestmark = pytest.mark.slow  # starts a server
+
 MAX_TOTAL = SERVER_NUM_BLOCKS * SERVER_BLOCK_SIZE + 1  # the last token needs no slot
 EOS = ByteTokenizer.eos_token_id
 

@@ -11,6 +11,8 @@ from conftest import TIMEOUT, wait_until_idle
 
 from minillm.serving.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body, sse
 
+pytestmark = pytest.mark.slow  # starts a server
+
 HEADERS = {"Content-Type": "application/json"}
 
 

@@ -31,6 +31,8 @@ from minillm.serving.launch import free_port
 from minillm.serving.loop import EngineLoop
 from minillm.serving.protocol import ApiError, CompletionRequest, parse_body
 
+pytestmark = pytest.mark.slow  # starts servers
+
 HEADERS = {"Content-Type": "application/json"}
 POISON_TOP_K = 7  # a request sampled with this top_k fails in the patched sampler below
 

@@ -11,6 +11,8 @@ from minillm.fast.int4 import kernels_used
 from minillm.fast.quant import Int8Linear, MatVecLinear
 from minillm.serving.cli import load, parse_args, weights_text
 
+pytestmark = pytest.mark.slow  # serves SmolLM2
+
 
 def served_tokens(model, prompt: list[int], n: int) -> list[int]:
     return Engine(model, max_batch_size=2).run([Request(0, prompt, n)]).requests[0].output_ids

@@ -5,6 +5,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a soak run against a server
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 
 

@@ -5,21 +5,24 @@ llama.cpp), measuring what its users see.
     python -m minillm bench --url http://gpu-host:8000/v1 --model meta-llama/Llama-3.1-8B-Instruct \\
         --concurrency 16 --prompt-len 512 1024 --output-len 128 256 --vocab-size 32000 --json run.json
 
-The workload is ``minillm.engine.workload``'s: prompts of random token ids (sent as the ``prompt`` of
+The workload is ``minillm.analysis.workload``'s: prompts of random token ids (sent as the ``prompt`` of
 ``/v1/completions``, so every server sees the same number of tokens), output lengths drawn in a range
 and produced in full (``ignore_eos``, as vLLM's random benchmark), arrivals from a Poisson (gamma)
 process at ``--request-rate``, or ``--concurrency`` users in a closed loop. Every request streams; the
 client stamps each chunk when it arrives and computes TTFT, TPOT, ITL, E2E, throughput and goodput
 with ``minillm.analysis.metrics`` (vLLM's definitions). A chunk counts one token, or as many as its
 ``token_ids`` lists when the server sends them. ``--compare-engine`` (minillm servers only) also reads
-the engine's own timestamps of the same requests and prints what HTTP and streaming added.
+the engine's own timestamps of the same requests and prints what HTTP and streaming added. The client
+needs neither torch nor the engine.
 
 A request counts as completed only when its stream carried tokens and a ``finish_reason`` (OpenAI's streams
 always end with one; ``[DONE]`` alone is what llama-cpp-python sends when a newer request interrupts a
 stream: start it with ``--interrupt_requests False`` to measure it under load). Anything else (an HTTP
-error, a stream cut short, a chunk that is not OpenAI's shape, no token for ``--timeout`` seconds, more
-than ``--request-timeout`` seconds in all) makes it a failed request with its reason; the run goes on, and
-always ends with its table (and its ``--json``).
+error, a stream cut short, a chunk that is not OpenAI's shape, more tokens than ``max_tokens``, a line longer
+than ``MAX_LINE_CHARS``, no token for ``--timeout`` seconds (response headers included), more than
+``--request-timeout`` seconds in all) makes it a failed request with its reason; the run goes on, and always
+ends with its table (and its ``--json``). The side requests (``/v1/models``, the engine's records) have
+``--timeout`` seconds each, in all.
 
 Prompts go as token ids, or as text (``--prompt-format``): random ids decoded with the served model's
 tokenizer (``--tokenizer``; by default the one the model's name points at: a packaged model or a .gguf
@@ -35,6 +38,7 @@ import math
 import re
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -53,9 +57,11 @@ from ..analysis.metrics import (
     summarize,
     ttft,
 )
-from ..engine.request import Request
-from ..engine.workload import LENGTH_DISTS, poisson_arrivals, random_requests
+from ..analysis.workload import LENGTH_DISTS, poisson_arrivals, random_requests
+from ..request import Request, RequestSummary, Status
 from ..sampling import SamplingParams
+
+MAX_LINE_CHARS = 2**20  # the longest SSE line the client reads (a token's chunk is a few hundred characters)
 
 
 @dataclass(frozen=True)
@@ -87,11 +93,7 @@ class BenchResult:
     @property
     def counted_by(self) -> dict[str, int]:
         """Completed requests by what their output tokens were counted from (token_ids, usage, chunks)."""
-        counts: dict[str, int] = {}
-        for r in self.records:
-            if not r.error:
-                counts[r.counted_by] = counts.get(r.counted_by, 0) + 1
-        return counts
+        return dict(Counter(r.counted_by for r in self.records if not r.error))
 
     @property
     def count_mismatches(self) -> int:
@@ -231,26 +233,39 @@ def _check_chunk(chunk) -> tuple[list[dict], dict | None]:
     return choices or [], usage
 
 
-async def sse_lines(chunks):
+async def sse_lines(chunks, max_chars: int = MAX_LINE_CHARS):
     """The lines of a server-sent event stream, split as the SSE format says: at CR LF, LF or CR only (not at
-    U+2028 or U+0085, which a server may send raw inside a JSON string). ``chunks``: an async iterator of text."""
-    pending = ""
+    U+2028 or U+0085, which a server may send raw inside a JSON string). ``chunks``: an async iterator of text.
+    Each chunk is searched once (a long line costs time linear in its length); a line longer than
+    ``max_chars`` is a StreamError."""
+    pending: list[str] = []  # the pieces of the line not yet ended
+    size = 0
     async for chunk in chunks:
-        pending += chunk
-        held = pending.endswith("\r")  # maybe the first half of a CR LF: wait for the next chunk
-        *lines, pending = re.split(r"\r\n|\n|\r", pending[:-1] if held else pending)
-        pending += "\r" if held else ""
-        for line in lines:
-            yield line
-    if pending.rstrip("\r"):
-        yield pending.rstrip("\r")
+        if pending and pending[-1].endswith("\r"):  # a CR that ended the last chunk: join it to a LF here
+            chunk, pending[-1] = "\r" + chunk, pending[-1][:-1]
+        held = chunk.endswith("\r")  # maybe the first half of a CR LF: wait for the next chunk
+        first, *lines = re.split(r"\r\n|\n|\r", chunk[:-1] if held else chunk)
+        if lines:
+            yield "".join(pending) + first
+            pending, size, last = [], 0, lines.pop()
+            for line in lines:
+                yield line
+        else:
+            last = first
+        pending.append(last + ("\r" if held else ""))
+        size += len(last)
+        if size > max_chars:
+            raise StreamError(f"a line longer than {max_chars} characters (not a server-sent event stream?)")
+    rest = "".join(pending).rstrip("\r")
+    if rest:
+        yield rest
 
 
 class _Stream:
     """What one request has received so far (kept when a deadline cuts it)."""
 
-    def __init__(self, prompt_len: int):
-        self.times, self.text, self.prompt_len = [], [], prompt_len
+    def __init__(self, prompt_len: int, max_tokens: int):
+        self.times, self.text, self.prompt_len, self.max_tokens = [], [], prompt_len, max_tokens
         self.has_ids = False  # some chunk carried token_ids
         self.response_id = self.usage_tokens = self.finish = None
         self.done = False  # saw data: [DONE]
@@ -259,17 +274,27 @@ class _Stream:
 async def _receive(client, url: str, body: dict, t0: float, clock, idle_timeout: float | None,
                    got: _Stream) -> None:
     """Stream one request into ``got``; stamp each chunk as its line arrives, before parsing it.
-    ``idle_timeout``: seconds the stream may go without a token (SSE comments and empty events do not count:
-    a server that sends a keep-alive comment every second would reset httpx's read timeout forever)."""
+    ``idle_timeout``: seconds the stream may go without a token, its response headers included (a timer: SSE
+    comments, empty events and bytes of a line not yet ended do not reset it, as they would httpx's per-read
+    timeout)."""
+    try:
+        async with asyncio.timeout(idle_timeout) as idle:
+            await _read_stream(client, url, body, t0, clock, idle_timeout, idle, got)
+    except TimeoutError:
+        if idle.expired():
+            raise StreamError(f"no token for {idle_timeout:g} s (the server kept the stream open without one)") \
+                from None
+        raise
+
+
+async def _read_stream(client, url: str, body: dict, t0: float, clock, idle_timeout: float | None, idle,
+                       got: _Stream) -> None:
     async with client.stream("POST", f"{url}/completions", json=body) as response:
         if response.status_code != 200:
-            body = (await response.aread()).decode(errors="replace")
-            raise ValueError(f"HTTP {response.status_code}: {body[:300]}")
-        last_token = time.monotonic()
+            body = (await response.aread())[:300].decode(errors="replace")
+            raise ValueError(f"HTTP {response.status_code}: {body}")
         async for line in sse_lines(response.aiter_text()):
             now = clock() - t0
-            if idle_timeout is not None and time.monotonic() - last_token > idle_timeout:
-                raise StreamError(f"no token for {idle_timeout:g} s (the server kept the stream open without one)")
             if not line.startswith("data:"):
                 continue
             data = line[5:].strip()
@@ -289,10 +314,13 @@ async def _receive(client, url: str, body: dict, t0: float, clock, idle_timeout:
                 # the stream ended (llama.cpp's servers send one after the last token)
                 n = len(ids) if isinstance(ids, list) else 0 if (finish is not None and not text) else 1
                 got.times += [now] * n
+                if len(got.times) > got.max_tokens:
+                    raise StreamError(f"more tokens than the {got.max_tokens} asked (max_tokens): "
+                                      f"{len(got.times)} so far")
                 got.text.append(text if isinstance(text, str) else "")
                 got.finish = finish if isinstance(finish, str) else got.finish
-                if n:
-                    last_token = time.monotonic()
+                if n and idle_timeout is not None:
+                    idle.reschedule(asyncio.get_running_loop().time() + idle_timeout)
             if usage:
                 tokens, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
                 got.usage_tokens = tokens if isinstance(tokens, int) else got.usage_tokens
@@ -315,7 +343,8 @@ async def send(client, url: str, model: str, request: Request, t0: float, clock,
     usage the server reports (``completion_tokens``) where it reports one, for servers whose chunks are not
     tokens; the token times are then the chunks' times, the last one repeated or cut to usage's count.
     ``counted_by`` says which count a record holds."""
-    arrival, got = clock() - t0, _Stream(len(request.prompt_ids) if prompt is None else prompt[1])
+    arrival = clock() - t0
+    got = _Stream(len(request.prompt_ids) if prompt is None else prompt[1], request.max_tokens)
     body = payload(model, request, None if prompt is None else prompt[0], min_tokens)
     error = None
     try:
@@ -328,7 +357,7 @@ async def send(client, url: str, model: str, request: Request, t0: float, clock,
         elif got.finish is None:  # llama-cpp-python ends a stream so when a newer request interrupts it
             error = (f"StreamError: the stream ended with [DONE] after {len(got.times)} token(s) but no choice "
                      "gave a finish_reason (interrupted by the server?)")
-    except asyncio.TimeoutError:
+    except TimeoutError:
         error = f"TimeoutError: the request took more than {request_timeout:g} s ({len(got.times)} token(s) came)"
     except Exception as e:  # one request's failure, whatever it is, is that request's record
         error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
@@ -391,43 +420,63 @@ def run_benchmark(url: str, model: str, requests: list[Request], *, concurrency:
     for name, value in (("timeout", timeout), ("request_timeout", request_timeout)):
         if value is not None and not (isinstance(value, (int, float)) and value > 0):
             raise ValueError(f"{name}={value!r} must be a number of seconds > 0")
-    coroutine = _run(url, model, requests, concurrency, timeout, clock, transport, request_timeout, prompts,
-                     min_tokens, count)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        records, duration = asyncio.run(coroutine)
-    else:  # a running event loop (a notebook's): run ours on a thread of its own
-        with ThreadPoolExecutor(1) as pool:
-            records, duration = pool.submit(asyncio.run, coroutine).result()
+    records, duration = run_sync(_run(url, model, requests, concurrency, timeout, clock, transport, request_timeout,
+                                      prompts, min_tokens, count))
     return BenchResult(url, model, records, duration, serving_metrics(records, duration=duration, slo=slo))
 
 
+def run_sync(coroutine):
+    """Run ``coroutine`` to its end from synchronous code, inside a running event loop (Jupyter's) too."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with ThreadPoolExecutor(1) as pool:  # a running event loop (a notebook's): run ours on a thread of its own
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+async def get_json(client, url: str, timeout: float, **params):
+    """``GET url`` as JSON within ``timeout`` seconds in all (a per-read timeout lets a server that drips its
+    answer hold the client for ever)."""
+    async with asyncio.timeout(timeout):
+        response = await client.get(url, params=params)
+        response.raise_for_status()
+        return response.json()
+
+
 def list_models(url: str, timeout: float = 10.0) -> list[str]:
-    """The model names a server offers (``GET /v1/models``)."""
-    response = httpx.get(f"{url.rstrip('/')}/models", timeout=timeout)
-    response.raise_for_status()
-    return [m["id"] for m in response.json()["data"]]
+    """The model names a server offers (``GET /v1/models``), within ``timeout`` seconds."""
+    async def fetch():
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            return await get_json(client, f"{url.rstrip('/')}/models", timeout)
+
+    return [m["id"] for m in run_sync(fetch())["data"]]
 
 
 # ---- minillm servers: the engine's own timestamps of the same requests ---------------------------------
 def fetch_engine_records(url: str, timeout: float = 10.0) -> dict[str, RequestTiming]:
     """A minillm server's records of its latest finished requests (``GET /minillm/requests``, every page:
-    each reply's ``next_offset`` asks for the page of older records, null after the oldest kept), by
-    response id. Times are on the engine's clock: only differences of them compare with the client's."""
-    base, records, offset = url.rstrip("/").removesuffix("/v1"), {}, 0
-    while offset is not None:
-        response = httpx.get(f"{base}/minillm/requests", params={"offset": offset}, timeout=timeout)
-        response.raise_for_status()
-        page = response.json()
-        records |= {r["id"]: RequestTiming(r["arrival_time"], r["token_times"], r["prompt_tokens"])
-                    for r in page["requests"] if r["status"] == "finished"}
-        next_offset = page.get("next_offset")
-        if next_offset is not None and (not isinstance(next_offset, int) or next_offset <= offset):
-            raise ValueError(f"/minillm/requests answered next_offset={next_offset!r} to offset={offset}: "
-                             "the pages would never end")
-        offset = next_offset
-    return records
+    each reply's ``next_offset`` asks for the page of older records, right after this one's, null after the
+    oldest kept), by response id; each page within ``timeout`` seconds. Times are on the engine's clock: only
+    differences of them compare with the client's."""
+    base = url.rstrip("/").removesuffix("/v1")
+
+    async def pages() -> dict[str, RequestTiming]:
+        records, offset = {}, 0
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            while offset is not None:
+                page = await get_json(client, f"{base}/minillm/requests", timeout, offset=offset)
+                rows = [RequestSummary.from_json(row) for row in page["requests"]]
+                records |= {r.request_id: RequestTiming(r.arrival_time, r.token_times, r.prompt_len)
+                            for r in rows if r.status == Status.FINISHED}
+                next_offset = page["next_offset"]
+                if next_offset is not None and (not rows or next_offset != offset + len(rows)):
+                    raise ValueError(f"/minillm/requests answered next_offset={next_offset!r} to offset={offset} "
+                                     f"with {len(rows)} records: not the page after this one")
+                offset = next_offset
+        return records
+
+    return run_sync(pages())
 
 
 @dataclass(frozen=True)
@@ -489,7 +538,7 @@ def parse_slo(items: list[str] | None) -> SLO | None:
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(
         prog="python -m minillm bench",
-        description="Load an OpenAI-compatible server with a minillm.engine.workload workload over streaming "
+        description="Load an OpenAI-compatible server with a minillm.analysis.workload workload over streaming "
                     "/v1/completions and report TTFT, TPOT, ITL, E2E, throughput and goodput.")
     parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the API base, ending in /v1 "
                         "(default http://127.0.0.1:8000/v1)")
@@ -530,7 +579,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     parser.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                         help="SLOs for goodput in ms, e.g. ttft:300 tpot:30 (also e2e:MS)")
     parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds a read may wait, and a stream may go without a token (default 600)")
+                        help="seconds a stream may go without a token, and a side request may take (default 600)")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="seconds a whole request may take; past it, it counts as failed (default: no limit)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
@@ -571,8 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     except (TypeError, ValueError) as error:
         parser.error(str(error))  # exits with status 2
     try:
-        model = args.model or list_models(args.url)[0]
-    except Exception as error:  # any answer that is not a model list
+        model = args.model or list_models(args.url, min(args.timeout, 10.0))[0]
+    except Exception as error:  # any answer that is not a model list, in time
         print(f"python -m minillm bench: error: cannot list the models at {args.url}: {error}", file=sys.stderr)
         return 1
     prompts, prompt_note = None, "token ids"
@@ -611,9 +660,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{result.count_mismatches} request(s): chunks carried a different token count than usage")
     report = {"arguments": vars(args), **result.to_json()}
     status = 0 if result.metrics.n_completed else 1
+    write_report(args.json, report)  # now, and again with the comparison: a comparison that fails loses nothing
     if args.compare_engine:
         try:
-            comparison = compare_with_engine(result, fetch_engine_records(args.url))
+            comparison = compare_with_engine(result, fetch_engine_records(args.url, min(args.timeout, 10.0)))
         except Exception as error:  # not a minillm server, records dropped, a bad answer
             message = f"{type(error).__name__}: {error}"
             print(f"--compare-engine: no comparison: {message}")
@@ -624,11 +674,16 @@ def main(argv: list[str] | None = None) -> int:
             report["engine"] = {"metrics": metrics_dict(comparison.engine),
                                 "added_ttft_ms": summary_ms(comparison.added_ttft),
                                 "added_e2e_ms": summary_ms(comparison.added_e2e)}
+        write_report(args.json, report)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
         print(f"results written to {args.json}")
     return status
+
+
+def write_report(path: str | None, report: dict) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
 
 
 WHAT_COUNTED = {"token_ids": "the chunks' token_ids", "usage": "the server's usage (completion_tokens)",
@@ -637,15 +692,11 @@ WHAT_COUNTED = {"token_ids": "the chunks' token_ids", "usage": "the server's usa
 
 def report_failures(result: BenchResult, show: int = 5) -> None:
     """How many requests failed and why: each distinct reason with its count, the most common first."""
-    reasons: dict[str, int] = {}
-    for r in result.records:
-        if r.error or not r.token_times:
-            reason = r.error or "no token arrived"
-            reasons[reason] = reasons.get(reason, 0) + 1
+    reasons = Counter(r.error or "no token arrived" for r in result.records if r.error or not r.token_times)
     if not reasons:
         return
-    print(f"{sum(reasons.values())} request(s) failed:")
-    ranked = sorted(reasons.items(), key=lambda item: -item[1])
+    print(f"{reasons.total()} request(s) failed:")
+    ranked = reasons.most_common()
     for reason, count in ranked[:show]:
         print(f"  {count} x {reason[:300]}")
     if len(ranked) > show:

@@ -14,7 +14,6 @@ cache for four things only (``cache.CacheView``), so every cache, the engine's i
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -48,23 +47,17 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
-        self.register_buffer("inv_freq", self._frequencies("cpu"), persistent=False)  # (head_dim/2,)
 
-    def _frequencies(self, device) -> torch.Tensor:
-        """theta^(-2i/head_dim) for i < head_dim/2, in float32."""
+    def frequencies(self, device) -> torch.Tensor:
+        """theta^(-2i/head_dim) for i < head_dim/2: (head_dim/2,), in float32 whatever the model's dtype
+        (rounded to bfloat16 they would rotate position 1000 by a wrong angle of up to 0.18 rad at head_dim
+        32, 1.2 rad at 128). Computed at each call, so no buffer can be cast or left uninitialized."""
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
         return 1.0 / self.theta ** exponents
 
-    def _apply(self, fn, recurse=True):
-        """``model.to(dtype)`` keeps the frequencies in float32. Rounded to bfloat16 they would rotate
-        position 1000 by a wrong angle of up to 0.18 rad (head_dim 32) or 1.2 rad (head_dim 128)."""
-        super()._apply(fn, recurse)
-        self.inv_freq = self._frequencies(self.inv_freq.device)
-        return self
-
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions: (B, T) -> cos, sin: (B, 1, T, head_dim)."""
-        freqs = positions[..., None].float() * self.inv_freq  # (B, T, head_dim/2)
+        freqs = positions[..., None].float() * self.frequencies(positions.device)  # (B, T, head_dim/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, head_dim)
         return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)
 
@@ -92,12 +85,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.d_model, c.n_kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=False)
         self.impl = "sdpa"
-        self.recording = False  # set by CausalLM.recording_attention
-        self.last_weights: torch.Tensor | None = None  # (B, n_heads, T, S) when recorded
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: CacheView) -> torch.Tensor:
-        """x: (B, T, d_model) -> (B, T, d_model). The cache writes this call's keys and values
+        """x: (B, T, d_model) -> (B, T, d_model). The cache writes this call's keys and values, then
         calls ``kernel`` on every key the queries may see, with its causal mask."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
@@ -117,43 +108,35 @@ class Attention(nn.Module):
                mask: Mask) -> torch.Tensor:
         """q: (B, H, T, D) over k, v: (B, Hkv, S, D) -> (B, H, T, D).
 
-        mask: (B, 1, G*T, S), True where a query may see a key (``cache.attention_mask``),
-        None when every key is visible, or a fresh prompt's ``SquareCausal``.
+        mask: (B, 1, T, S), True where a query may see a key (``cache.attention_mask``), None when
+        every key is visible, or a fresh prompt's ``SquareCausal``.
         """
         if isinstance(mask, SquareCausal):
-            if self.impl == "sdpa" and not self.recording:
-                # the masked half of the scores is never computed
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                      enable_gqa=True)
+            if self.impl == "sdpa":  # the masked half of the scores is never computed
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             mask = mask.dense()
         B, _, T, _ = q.shape
         # GQA without copying K/V: the G query heads sharing a kv head become G*T rows of it.
-        G, S = self.n_heads // self.n_kv_heads, k.shape[2]
-        # (B, Hkv, G*T, D), rows ordered (g, t)
-        q = q.reshape(B, self.n_kv_heads, G * T, self.head_dim)
-        if self.impl == "eager" or self.recording:
+        G = self.n_heads // self.n_kv_heads
+        q = q.reshape(B, self.n_kv_heads, G * T, self.head_dim)  # (B, Hkv, G*T, D), rows ordered (g, t)
+        if mask is not None:
+            mask = grouped(mask, G)  # (B, 1, G*T, S), the rows' order
+        if self.impl == "eager":
             scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, Hkv, G*T, S)
             if mask is not None:
                 scores = scores.masked_fill(~mask, float("-inf"))
-            weights = F.softmax(scores.float(), dim=-1).to(q.dtype)
-            if self.recording:
-                self._record(weights.detach().view(B, self.n_heads, T, S))
-            out = weights @ v  # (B, Hkv, G*T, D)
+            out = F.softmax(scores.float(), dim=-1).to(q.dtype) @ v  # (B, Hkv, G*T, D)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, Hkv, G*T, D)
         # (B, H, T, D): head h uses kv head h // G. reshape, not view: CUDA's kernels
         # return `out` in another memory layout (copied then, viewed otherwise)
         return out.reshape(B, self.n_heads, T, self.head_dim)
 
-    def _record(self, weights: torch.Tensor) -> None:
-        """Keep one call's weights; a second kernel call in the same forward cannot be one tensor."""
-        if self.last_weights is not None:
-            self.last_weights = None  # no part of this call's weights is kept
-            raise ValueError(
-                f"layer {self.layer_idx}'s attention ran in several pieces in one forward pass (a cache "
-                "that attends part by part, such as the engine's MixedStepView), so its weights are no "
-                "single (B, H, T, S) tensor: record attention with a KVCache, a PagedCacheView or no cache")
-        self.last_weights = weights
+
+def grouped(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, 1, T, S) -> (B, 1, groups*T, S), rows ordered (g, t): the layout of the grouped queries."""
+    B, _, T, S = mask.shape
+    return mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(B, 1, groups * T, S)
 
 
 class MLP(nn.Module):
@@ -185,7 +168,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embedding, the stack of decoder layers, final norm (Hugging Face's ``LlamaModel``)."""
+    """Embedding, the stack of decoder layers, final norm (Hugging Face's ``LlamaModel``).
+
+    It has no ``forward``: it holds the modules under Hugging Face's names (``model.layers.N...``), so
+    checkpoints load as they are, and ``CausalLM.compute`` runs them."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -232,9 +218,8 @@ class CausalLM(nn.Module):
         cache length onwards. With a cache the new keys/values are written into it at those
         positions and the cache's lengths advance (see ``cache.CacheView``).
         """
-        view = NoCache(self.config.n_groups) if cache is None else cache
+        view = NoCache() if cache is None else cache
         positions = self._check(input_ids, positions, view)
-        self._start_recording()
         view.begin(positions)
         logits = self.compute(input_ids, positions, view)
         view.end(positions)
@@ -271,29 +256,6 @@ class CausalLM(nn.Module):
             raise ValueError("input_ids is empty (sequence length 0); give at least one token")
         check_token_ids(input_ids, self.config.vocab_size)
 
-    @contextmanager
-    def recording_attention(self):
-        """Within the block, every forward pass keeps each layer's attention weights, computed by the
-        eager kernel, for ``attention_weights()`` (which still reads them after the block)."""
-        layers = [layer.self_attn for layer in self.model.layers]
-        for attn in layers:
-            attn.recording = True
-        try:
-            yield self
-        finally:
-            for attn in layers:
-                attn.recording = False
-
-    def attention_weights(self) -> list[torch.Tensor]:
-        """Per layer, the weights of the last call recorded by ``recording_attention``: (B, H, T, S)."""
-        return [layer.self_attn.last_weights for layer in self.model.layers]
-
-    def _start_recording(self) -> None:
-        """Forget the weights of the last call, if this one records (so none are ever stale)."""
-        for layer in self.model.layers:
-            if layer.self_attn.recording:
-                layer.self_attn.last_weights = None
-
 
 def build_model(config: ModelConfig | str = "tiny", device="cpu", dtype="float32", seed: int | None = 0):
     """A randomly initialized model in eval mode.
@@ -324,7 +286,7 @@ def empty_model(config: ModelConfig, device="cpu", dtype="float32") -> CausalLM:
     device, dtype = resolve_device(device), resolve_dtype(dtype)
     with torch.device("meta"):
         model = CausalLM(config)
-    model = model.to_empty(device=device).to(dtype=dtype)  # the rotary frequencies are recomputed
+    model = model.to_empty(device=device).to(dtype=dtype)
     if config.tie_embeddings:  # to_empty gives each module its own tensor; tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
     return model

@@ -58,6 +58,21 @@ def random_ids(vocab_size: int, shape: tuple[int, ...], seed: int = 0) -> torch.
     return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
 
 
+def write_kv(cache, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+    """Write ``k``, ``v`` (B, Hkv, T, D) of ``layer`` at ``positions`` (B, T) the one way there is: ``begin``,
+    ``attend``, ``end``. -> K, V (B, Hkv, S, D): the keys and values the kernel was handed, by position."""
+    handed = []
+
+    def keep(q, K, V, mask):
+        handed[:] = [K, V]
+        return q
+
+    cache.begin(positions)
+    cache.attend(layer, None, k, v, keep)  # no queries: the kernel only keeps what it is handed
+    cache.end(positions)
+    return tuple(handed)
+
+
 # --- the attention kernel, watched ------------------------------------------------------------------------
 
 def sdpa_spy(monkeypatch) -> list[tuple[bool, str | None]]:

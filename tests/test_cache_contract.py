@@ -72,8 +72,7 @@ def test_every_view_implements_the_protocol():
     pool = PagedKVPool(SMALL, 4, 4)
     view = PagedCacheView(pool, [[0, 1]], [0])
     cache = KVCache(SMALL, 1, 8)
-    for obj in (cache, NoCache(SMALL.n_groups), view, MixedStepView([(1, 1, view)], SMALL.n_groups),
-                StaticCacheView(cache.k, cache.v, SMALL.n_groups)):
+    for obj in (cache, NoCache(), view, MixedStepView([(1, 1, view)]), StaticCacheView(cache.k, cache.v)):
         assert isinstance(obj, CacheView), type(obj).__name__
 
 
@@ -110,13 +109,13 @@ def test_every_kind_of_view_gives_the_naive_logits(small_model):
     parts = [(1, 1, PagedCacheView(other_pool, [[1, 3]], [4])), (1, 3, PagedCacheView(pool_b, [table], [8]))]
     row = torch.cat([other[:, 4:], ids[:, 8:]], 1)  # (1, 4)
     positions = torch.tensor([[4, 8, 9, 10]])
-    mixed = small_model(row, positions, MixedStepView(parts, SMALL.n_groups))  # (1, 4, V)
+    mixed = small_model(row, positions, MixedStepView(parts))  # (1, 4, V)
     torch.testing.assert_close(mixed[:, 1:], naive[:, 8:], **ATOL)
     torch.testing.assert_close(mixed[:, :1], small_model(other)[:, 4:], **ATOL)
     assert [view.lengths.tolist() for _, _, view in parts] == [[5], [11]]  # end ran for every part
     # static: every call attends all 16 positions, through model.forward with explicit positions
     static = KVCache(SMALL, 1, 16)
-    view = StaticCacheView(static.k, static.v, SMALL.n_groups)
+    view = StaticCacheView(static.k, static.v)
     got = [small_model(ids[:, :6], torch.arange(6)[None], view)]
     got += [small_model(ids[:, t:t + 1], torch.tensor([[t]]), view) for t in range(6, 11)]
     torch.testing.assert_close(torch.cat(got, 1), naive, **ATOL)
@@ -156,44 +155,3 @@ def test_the_compiled_step_gives_the_models_logits(small_model):
         small_model(ids[:, :9], cache=clone)
         logits = compiled(small_model, clone.k, clone.v, ids[:, 9:10], torch.tensor([9, 9]))
     torch.testing.assert_close(logits, expected, **ATOL)
-
-
-def test_recording_on_a_paged_view_equals_recording_on_a_kv_cache(small_model):
-    ids = random_ids(SMALL.vocab_size, (1, 7), seed=6)
-    cache = KVCache(SMALL, 1, 8)
-    small_model(ids[:, :6], cache=cache)
-    with small_model.recording_attention():
-        small_model(ids[:, 6:], cache=cache)
-    expected = small_model.attention_weights()
-    pool = PagedKVPool(SMALL, num_blocks=4, block_size=4)
-    small_model(ids[:, :6], cache=PagedCacheView(pool, [[3, 1]], [0]))
-    with small_model.recording_attention():
-        small_model(ids[:, 6:], cache=PagedCacheView(pool, [[3, 1]], [6]))
-    for got, want in zip(small_model.attention_weights(), expected):
-        assert got.shape == (1, SMALL.n_heads, 1, 7)
-        torch.testing.assert_close(got, want, **ATOL)
-
-
-def test_recording_a_mixed_step_raises_and_keeps_no_stale_weights(small_model):
-    with small_model.recording_attention():
-        small_model(random_ids(SMALL.vocab_size, (1, 5)))  # weights of an earlier call: (1, H, 5, 5)
-    pool = PagedKVPool(SMALL, num_blocks=4, block_size=4)
-    parts = [(1, 2, PagedCacheView(pool, [[0]], [0])), (1, 3, PagedCacheView(pool, [[1]], [0]))]
-    step = MixedStepView(parts, SMALL.n_groups)
-    row, positions = random_ids(SMALL.vocab_size, (1, 5), seed=7), torch.tensor([[0, 1, 0, 1, 2]])
-    with small_model.recording_attention(), pytest.raises(ValueError, match="several pieces.*MixedStepView"):
-        small_model(row, positions, step)
-    assert small_model.attention_weights() == [None] * SMALL.n_layers  # nothing stale, nothing partial
-    assert [view.lengths.tolist() for _, _, view in parts] == [[0], [0]]  # the failed call ended nothing
-    assert not any(layer.self_attn.recording for layer in small_model.model.layers)  # the block cleaned up
-    small_model(row, positions, step)  # without recording the same step runs
-
-
-def test_the_cache_plans_its_own_writes():
-    """KVCache.update works without begin (no hidden plan to set first); begin only plans once per call."""
-    cache = KVCache(SMALL.with_(n_layers=1), 1, 4)
-    k = torch.ones(1, SMALL.n_kv_heads, 2, SMALL.head_dim)
-    K, _ = cache.update(0, k, k, torch.tensor([[1, 2]]))
-    assert K.shape[2] == 3 and (K[:, :, 1:] == 1).all() and (K[:, :, 0] == 0).all()
-    with pytest.raises(ValueError, match="position 4 does not fit"):
-        cache.update(0, k, k, torch.tensor([[3, 4]]))

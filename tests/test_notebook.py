@@ -59,11 +59,11 @@ def test_which_case_needs_exactly_one(cases, monkeypatch):
 
 
 def test_show_source_is_the_library_source_now():
-    excerpt = show_source(KVCache.update)
+    excerpt = show_source(KVCache.attend)
     markdown = excerpt._repr_markdown_()
-    assert excerpt.source == textwrap.dedent(inspect.getsource(KVCache.update))
-    assert markdown.startswith("`KVCache.update` from `minillm/cache.py, lines ")
-    assert "```python\ndef update(self, layer" in markdown
+    assert excerpt.source == textwrap.dedent(inspect.getsource(KVCache.attend))
+    assert markdown.startswith("`KVCache.attend` from `minillm/cache.py, lines ")
+    assert "```python\ndef attend(self, layer" in markdown
 
 
 def test_show_source_follows_a_change_of_the_function(tmp_path, monkeypatch):

@@ -1,15 +1,18 @@
 """Instruments that only the chapters use: counting the kernels a call runs, timing the engine's mixed step
-against separate calls, serving an engine step by step while noting what each step did, and reading which
-bfloat16 instructions the CPU reports."""
+against separate calls, serving an engine step by step while noting what each step did, reading which
+bfloat16 instructions the CPU reports, and recording attention weights around any cache view."""
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..cache import CacheView, Kernel, Mask, NoCache, SquareCausal
 from ..engine import MixedStepView, PagedCacheView, PagedKVPool, blocks_for
 from ..validate import check_int
 
@@ -83,7 +86,7 @@ def mixed_step_calls(model, decode_rows: int, context_len: int, chunk_lens,
                      (1, ids.shape[1], PagedCacheView(pool, [chunk_table], [0]))]
             row = torch.cat([dec_ids.flatten(), ids.flatten()])[None]  # (1, B + C)
             row_pos = torch.cat([dec_pos.flatten(), pos.flatten()])[None]  # (1, B + C)
-            cache = MixedStepView(parts, c.n_groups)
+            cache = MixedStepView(parts)
             return model(row, row_pos, cache)[0]  # (B + C, vocab)
 
         return chunk, fused
@@ -134,3 +137,56 @@ def serve_live(engine, requests, late=None, at_step: int = 0) -> SimpleNamespace
         live.tables.append({s.request.request_id: list(s.block_table) for s in running})
         live.held.append({s.request.request_id: s.num_computed for s in running})
     return live
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, mask: Mask) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) under ``mask``: q (B, H, T, D), k (B, Hkv, S, D) -> (B, H, T, S), float32
+    softmax. Written for reading, not speed: each kv head is copied to the query heads that share it."""
+    G = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(G, dim=1)  # (B, H, S, D): query head h reads kv head h // G
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, S)
+    if isinstance(mask, SquareCausal):
+        mask = mask.dense()
+    if mask is not None:  # (B, 1, T, S), the same for every head
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return F.softmax(scores.float(), dim=-1).to(q.dtype)
+
+
+class RecordingView:
+    """Any cache view, with each layer's attention weights kept: a ``CacheView`` around ``inner`` (no cache
+    when None) whose ``attend`` hands the inner view a kernel that notes the weights, then runs the model's
+    own kernel. The logits are the model's own, bit for bit; the model knows nothing of it.
+
+        recorder = RecordingView()            # or RecordingView(cache): a KVCache, a PagedCacheView
+        logits = model(ids, cache=recorder)
+        recorder.weights                      # per layer, (B, H, T, S) of this call
+
+    A view that attends part by part (the engine's ``MixedStepView``) calls the kernel several times a layer:
+    its weights are no single tensor, so that call raises ValueError and ``weights`` is left empty.
+    """
+
+    def __init__(self, inner: CacheView | None = None):
+        self.inner = NoCache() if inner is None else inner
+        self.weights: list[torch.Tensor] = []  # per layer, of the last call
+
+    def default_positions(self, batch: int, length: int, device: torch.device) -> torch.Tensor:
+        return self.inner.default_positions(batch, length, device)
+
+    def begin(self, positions: torch.Tensor) -> None:
+        self.weights = []  # a new call: nothing of the last one is kept
+        self.inner.begin(positions)
+
+    def attend(self, layer, q, k, v, kernel: Kernel) -> torch.Tensor:
+        def recording(q, K, V, mask):
+            if len(self.weights) > layer:
+                self.weights = []  # no part of this call's weights is kept
+                raise ValueError(f"layer {layer}'s attention ran in several pieces in one forward pass (a "
+                                 "view that attends part by part, such as the engine's MixedStepView), so its "
+                                 "weights are no single (B, H, T, S) tensor: record around one batch's view")
+            self.weights.append(attention_weights(q, K, mask).detach())
+            return kernel(q, K, V, mask)
+
+        return self.inner.attend(layer, q, k, v, recording)
+
+    def end(self, positions: torch.Tensor) -> None:
+        self.inner.end(positions)

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..cache import Kernel, Mask, attention_mask
+from ..cache import Kernel, Mask, RowLengths, attention_mask
 from ..config import ModelConfig
 
 
@@ -26,7 +26,6 @@ class PagedKVPool:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layers)]
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
-        self.n_groups = config.n_groups  # query heads per kv head: the layout of the views' masks
 
     @property
     def nbytes(self) -> int:
@@ -46,7 +45,7 @@ class _Slots(NamedTuple):
     mask: Mask
 
 
-class PagedCacheView:
+class PagedCacheView(RowLengths):
     """The rows of one batched model call, each reading and writing its own blocks.
 
     Implements ``minillm.cache.CacheView``: ``attend`` writes the new K, V into the blocks and hands
@@ -62,17 +61,12 @@ class PagedCacheView:
         self.tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables],
                                    dtype=torch.long, device=pool.device)  # (B, width), padded with block 0
         self.n_blocks = torch.tensor([len(t) for t in block_tables], device=pool.device)  # (B,)
-        self._slots: _Slots | None = None  # this call's, set by begin
+        self._call: _Slots | None = None
 
     def slot_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """positions (B, T) -> slot ids (B, T) in the flattened pool, through each row's block table."""
         bs = self.pool.block_size
         return self.tables.gather(1, positions // bs) * bs + positions % bs
-
-    def default_positions(self, batch: int, length: int, device: torch.device) -> torch.Tensor:
-        """Right after what each row holds: (B, T)."""
-        self._check_rows(batch)
-        return self.lengths[:, None] + torch.arange(length, device=device)  # (B, T)
 
     def check_room(self, positions: torch.Tensor) -> None:
         """Raise ValueError unless every position falls inside its own row's blocks."""
@@ -86,41 +80,25 @@ class PagedCacheView:
 
     def begin(self, positions: torch.Tensor) -> None:
         """Check the room; compute this call's slot ids and causal mask once for every layer."""
-        self._slots = self._plan(positions, with_mask=True)
-
-    def attend(self, layer, q, k, v, kernel: Kernel) -> torch.Tensor:
-        """Write this call's k, v into the blocks, then attend over every row's keys by position."""
-        K, V = self.update(layer, k, v, self._slots.positions)  # (B, Hkv, S, D)
-        return kernel(q, K, V, self._slots.mask)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        """k, v: (B, Hkv, T, D) written at ``positions`` (B, T) -> K, V: (B, Hkv, S, D), index = position."""
-        plan = self._slots if self._slots is not None and self._slots.positions is positions \
-            else self._plan(positions, with_mask=False)  # planned once per call by begin, or here
-        B, H, T, D = k.shape
-        pk, pv = self.pool.slots(layer)  # (slots, Hkv, D)
-        pk.index_copy_(0, plan.write, k.transpose(1, 2).reshape(B * T, H, D))
-        pv.index_copy_(0, plan.write, v.transpose(1, 2).reshape(B * T, H, D))
-        S = plan.read.shape[1]
-        read = plan.read.flatten()  # (B * S,)
-        return (pk.index_select(0, read).view(B, S, H, D).transpose(1, 2),  # (B, Hkv, S, D)
-                pv.index_select(0, read).view(B, S, H, D).transpose(1, 2))
-
-    def end(self, positions: torch.Tensor) -> None:
-        """After a forward pass: each row's length becomes its last position + 1."""
-        self.lengths = positions[:, -1] + 1
-        self._slots = None
-
-    def _check_rows(self, batch: int) -> None:
-        if batch != self.lengths.shape[0]:
-            raise ValueError(f"input_ids has {batch} rows but the cache has batch_size={self.lengths.shape[0]}")
-
-    def _plan(self, positions: torch.Tensor, with_mask: bool) -> _Slots:
         self.check_room(positions)
         B, n_keys = positions.shape[0], int(positions.max()) + 1
         read = torch.arange(n_keys, device=positions.device).expand(B, -1)  # (B, S)
-        mask = attention_mask(positions, n_keys, self.pool.n_groups, cached=True) if with_mask else None
-        return _Slots(positions, self.slot_ids(positions).flatten(), self.slot_ids(read), mask)
+        mask = attention_mask(positions, n_keys, cached=True)
+        self._call = _Slots(positions, self.slot_ids(positions).flatten(), self.slot_ids(read), mask)
+
+    def attend(self, layer, q, k, v, kernel: Kernel) -> torch.Tensor:
+        """Write this call's k, v (B, Hkv, T, D) into the blocks, then attend over every row's keys by
+        position. The keys are gathered into a dense (B, Hkv, S, D) copy, per layer and call: bytes that
+        a paged attention kernel (vLLM's) spares by reading the blocks in place."""
+        call = self._call
+        B, H, T, D = k.shape
+        pk, pv = self.pool.slots(layer)  # (slots, Hkv, D)
+        pk.index_copy_(0, call.write, k.transpose(1, 2).reshape(B * T, H, D))
+        pv.index_copy_(0, call.write, v.transpose(1, 2).reshape(B * T, H, D))
+        S, read = call.read.shape[1], call.read.flatten()  # (B * S,)
+        K = pk.index_select(0, read).view(B, S, H, D).transpose(1, 2)  # (B, Hkv, S, D), index = position
+        V = pv.index_select(0, read).view(B, S, H, D).transpose(1, 2)
+        return kernel(q, K, V, call.mask)
 
 
 class MixedStepView:
@@ -131,11 +109,10 @@ class MixedStepView:
     model computes every projection and the MLP once over all the row's tokens; ``attend`` cuts the
     row's q, k, v into the batches, lets each batch's view attend (its own blocks, its own causal
     mask, so no token attends to another sequence and no padding is computed), and joins the outputs.
-    ``n_groups``: the model's query heads per kv head (each part's view builds its mask with it).
     """
 
-    def __init__(self, parts: list[tuple[int, int, PagedCacheView]], n_groups: int):
-        self.parts, self.n_groups = parts, n_groups
+    def __init__(self, parts: list[tuple[int, int, PagedCacheView]]):
+        self.parts = parts
         self._positions = None  # per part, set by begin
 
     def _cut(self, x: torch.Tensor):
@@ -154,9 +131,6 @@ class MixedStepView:
         n = sum(rows * length for rows, length, _ in self.parts)
         if positions.shape != (1, n):
             raise ValueError(f"positions shape {tuple(positions.shape)} != (1, {n}), the parts' tokens")
-        for _, _, cache in self.parts:
-            if cache.pool.n_groups != self.n_groups:
-                raise ValueError(f"n_groups={self.n_groups} but a part's pool has {cache.pool.n_groups}")
         self._positions, start = [], 0
         for rows, length, cache in self.parts:
             pos = positions[0, start:start + rows * length].view(rows, length)  # (rows, length)

@@ -21,7 +21,7 @@ import shutil
 
 import torch
 
-from ..cache import Kernel, KVCache, causal_mask, grouped
+from ..cache import Kernel, KVCache, causal_mask
 from ..generate import as_prompt_tensor, check_lengths
 from ..model import CausalLM
 from ..validate import check_int
@@ -37,13 +37,12 @@ class StaticCacheView:
 
     keys[i], values[i]: (B, n_kv_heads, max_len, head_dim) of layer i, e.g. a
     ``KVCache``'s ``k`` and ``v``. Written in place (their addresses never change, as a
-    CUDA graph needs). The caller keeps the lengths (``end`` does nothing), so it gives
-    positions.
+    CUDA graph needs). It keeps no lengths (``end`` only forgets the call): the caller gives
+    the positions and keeps the lengths.
     """
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor],
-                 n_groups: int):
-        self.keys, self.values, self.n_groups = keys, values, n_groups
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys, self.values = keys, values
         self._positions = self._rows = self._mask = None
 
     def default_positions(self, batch: int, length: int,
@@ -55,8 +54,7 @@ class StaticCacheView:
         self._positions = positions
         B = positions.shape[0]
         self._rows = torch.arange(B, device=positions.device)[:, None]  # (B, 1)
-        mask = causal_mask(positions, self.keys[0].shape[2])  # (B, 1, T, max_len)
-        self._mask = grouped(mask, self.n_groups)  # (B, 1, G*T, max_len)
+        self._mask = causal_mask(positions, self.keys[0].shape[2])  # (B, 1, T, max_len)
 
     def attend(self, layer, q, k, v, kernel: Kernel) -> torch.Tensor:
         keys, values = self.keys[layer], self.values[layer]
@@ -79,7 +77,7 @@ def decode_step(model: CausalLM, keys: list[torch.Tensor], values: list[torch.Te
     The model's own layers run through a ``StaticCacheView``: each call attends all
     max_len positions and masks those after ``position``.
     """
-    cache = StaticCacheView(keys, values, model.config.n_groups)
+    cache = StaticCacheView(keys, values)
     positions = position[:, None]  # (B, 1)
     cache.begin(positions)
     logits = model.compute(token, positions, cache)  # (B, 1, vocab): no checks, no sync
@@ -188,7 +186,7 @@ class StaticDecoder:
             logits = self.step(model, cache.k, cache.v, token[:, None], position)
             token, position = logits.argmax(-1), position + 1  # (1,), (1,)
             tokens.append(token)
-        cache.lengths = position
+        cache.end(position[:, None] - 1)  # the steps wrote every position before `position`
         return torch.cat(tokens).tolist()
 
 

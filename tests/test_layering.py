@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minillm"
-CORE = {"config", "model", "cache", "sampling", "generate", "validate", "device", "timing"}
+CORE = {"config", "model", "cache", "sampling", "generate", "validate", "device", "timing", "intmath"}
 # layer -> the layers it may import (the core is always allowed; a layer may import itself)
 ALLOWED = {
     "core": set(),

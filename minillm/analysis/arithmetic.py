@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..config import ModelConfig, get_config
+from ..intmath import ceil_div
 from ..validate import check_int, check_number
 
 BYTES_PER_ELEMENT: dict[str, int] = {
@@ -186,7 +187,7 @@ def reserved_slots(lengths: Sequence[int], max_len: int | None = None,
             raise ValueError(f"a sequence of length {max(lengths)} exceeds max_len={max_len}")
         return max_len * len(lengths)
     check_int("block_size", block_size)
-    return sum(-(-n // block_size) * block_size for n in lengths)
+    return sum(ceil_div(n, block_size) * block_size for n in lengths)
 
 
 def allocation_waste(lengths: Sequence[int], max_len: int | None = None,
@@ -214,9 +215,9 @@ def quantized_weight_bytes(config: ModelConfig | str, bits: int, group_size: int
         groups = rows
     else:
         check_int("group_size", group_size)
-        groups = -(-matmul_params(c) // group_size)
+        groups = ceil_div(matmul_params(c), group_size)
     norms = (2 * c.n_layers + 1) * c.d_model * bytes_per_element(dtype)
-    return -(-matmul_params(c) * bits // 8) + groups * scale_bytes + norms
+    return ceil_div(matmul_params(c) * bits, 8) + groups * scale_bytes + norms
 
 
 def bandwidth_bound_steps_per_s(bytes_per_step: int | float, bandwidth: float) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..intmath import ceil_div
 from ..validate import check_int, check_number
 
 
@@ -52,7 +53,7 @@ def plan_capacity(device_bytes: int, weight_bytes: int, reserve_bytes: int,
             raise ValueError(f"one request needs {request_bytes} B but a device has only "
                              f"{free} B free; no number of devices serves "
                              f"target_concurrency={target_concurrency}")
-        devices = -(-target_concurrency // per_device)
+        devices = ceil_div(target_concurrency, per_device)
     return CapacityPlan(device_bytes, weight_bytes, reserve_bytes, request_bytes, free,
                         free / request_bytes, per_device, target_concurrency, devices)
 
@@ -133,13 +134,13 @@ def plan_for_slo(concurrency: int, output_tokens: int, tpot_slo: float, decode_t
                                          f"step ({tpot_slo * 1e3:.1f} ms) exceeds the TTFT SLO "
                                          f"({ttft_slo * 1e3:.1f} ms) on any number of devices")
         else:
-            devices_ttft = math.ceil(burst / k_max)
+            devices_ttft = ceil_div(burst, k_max)
             if devices_ttft > devices_tpot:
                 devices, limited_by = devices_ttft, "ttft"
     n = devices or devices_tpot
     share = (concurrency / n / request_time * prefill_time) if with_ttft else 0.0
     if with_ttft:
-        ttft_est = tpot_slo + math.ceil(burst / n) * prefill_time
+        ttft_est = tpot_slo + ceil_div(burst, n) * prefill_time
     return SLOPlan(request_time=request_time, request_rate=concurrency / request_time,
                    decode_tokens_per_s_needed=concurrency / tpot_slo, streams_per_device=streams,
                    devices_for_tpot=devices_tpot, prefill_time=prefill_time,

@@ -5,6 +5,7 @@ import torch
 from conftest import SMALL, random_ids
 
 from minillm import KVCache, get_config
+from minillm.book.instruments import RecordingView
 from minillm.book.viz.architecture import (
     BLOCK_ROWS,
     draw_decoder_block,
@@ -50,13 +51,13 @@ def test_module_shapes_equal_a_real_forward_pass(small_model):
 def test_cache_and_attention_shapes_in_a_decode_step(small_model):
     """A decode step feeds T = 1 token and reads S = prompt + 1 positions."""
     cache = KVCache(SMALL, batch_size=2, max_len=8)
+    recorder = RecordingView(cache)
     with torch.inference_mode():
-        small_model(random_ids(SMALL.vocab_size, (2, 5)), cache=cache)
-        with small_model.recording_attention():
-            small_model(random_ids(SMALL.vocab_size, (2, 1), seed=1), cache=cache)
+        small_model(random_ids(SMALL.vocab_size, (2, 5)), cache=recorder)
+        small_model(random_ids(SMALL.vocab_size, (2, 1), seed=1), cache=recorder)
     stages = forward_stages(SMALL, batch=2, tokens=1, keys=6)
     by_tensor = {s.tensor: s.shape for row in stages for s in row}
-    assert by_tensor["weights"] == tuple(small_model.attention_weights()[0].shape) == (2, 6, 1, 6)
+    assert by_tensor["weights"] == tuple(recorder.weights[0].shape) == (2, 6, 1, 6)
     assert by_tensor["K, V"] == tuple(cache.k[0][:, :, :6].shape) == (2, 2, 6, 10)
     assert by_tensor["logits"] == (2, 1, SMALL.vocab_size)
 

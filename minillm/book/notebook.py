@@ -1,4 +1,5 @@
-"""Helpers the book's notebooks share: the device, checked claims, source excerpts, the figure style.
+"""Helpers the book's notebooks share: the device (``minillm.device.pick_device``), checked claims, source
+excerpts, the figure style.
 
 Everything here prints plain text or returns Markdown that renders the same on the web book, on Colab and
 in plain Jupyter (no MyST roles).
@@ -10,9 +11,7 @@ import os
 import textwrap
 from pathlib import Path
 
-import torch
-
-from ..device import resolve_device
+from ..device import pick_device as pick_device  # re-exported: the chapters' set-up cells import it from here
 
 WIDTH = 90  # characters: the text column of the web book; notebook code and outputs stay within it
 PASS, FAIL = "PASS", "DOES NOT HOLD"
@@ -125,16 +124,3 @@ def use_book_style() -> None:
         "axes.formatter.min_exponent": 4,  # log axes read 1, 10, 300, not 10^0, 3x10^2
     })
     set_matplotlib_formats("retina")
-
-
-def pick_device(verbose: bool = True) -> tuple[torch.device, torch.dtype]:
-    """CUDA (bfloat16 where supported, else float16) when there is a GPU, else CPU float32."""
-    device = resolve_device("auto")
-    if device.type == "cuda":
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        name = torch.cuda.get_device_name(device)
-    else:
-        dtype, name = torch.float32, f"CPU, {torch.get_num_threads()} threads"
-    if verbose:
-        print(f"device: {device.type} ({name}), dtype: {str(dtype).removeprefix('torch.')}")
-    return device, dtype

@@ -6,8 +6,8 @@ it: its result is "ok", "failed claim" (the claim's first line) or "error" (the 
 deepest frame in this repository), with its seconds. The notebooks pick CUDA themselves
 (``minillm.book.notebook.pick_device``). Then each benchmark that has a CUDA mode runs in it with a time limit,
 and the report keeps its header and its headline lines (targets, ratios, "met" / "NOT met", FAIL); the CPU-only
-ones are listed as such. The report is rewritten after each notebook and benchmark, so a run stopped early (a
-machine lent for minutes) keeps what it measured, marked incomplete.
+ones are listed as such. The report is rewritten after each notebook and benchmark, so a run stopped early
+keeps what it measured, marked incomplete.
 
     python benchmarks/gpu_report.py [--out benchmarks/gpu_report.md] [--cell-timeout 600] [--bench-timeout 900]
                                     [--only NAME ...] [--skip-notebooks] [--skip-benchmarks]

@@ -35,7 +35,7 @@ def test_headlines_keep_targets_and_verdicts():
 
 
 def test_a_run_stopped_early_keeps_what_it_measured(tmp_path, monkeypatch):
-    """A lent GPU can go back mid-run: every finished notebook is already in the report, marked incomplete."""
+    """A run cut short keeps every finished notebook in the report, marked incomplete."""
     import types
 
     import torch
@@ -48,7 +48,7 @@ def test_a_run_stopped_early_keeps_what_it_measured(tmp_path, monkeypatch):
 
     def run_notebook(path, workdir, cell_timeout):
         if runs:
-            raise KeyboardInterrupt  # the machine is taken back during the second notebook
+            raise KeyboardInterrupt  # the run stops during the second notebook
         runs.append(path)
         return "ok", 12.0
 

@@ -1,4 +1,4 @@
-"""Issue 20, defect 12: library and loader errors name the argument, the config.json field or the file;
+"""Library and loader errors name the argument, the config.json field or the file;
 values that make no sense are refused; a sharded index cannot reach files outside its checkpoint folder."""
 import json
 import os

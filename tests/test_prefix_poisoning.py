@@ -1,4 +1,4 @@
-"""Prefix-cache poisoning (issue 20, defect 2): a block is shared only after an equal prefix, even when a
+"""Prefix-cache poisoning: a block is shared only after an equal prefix, even when a
 client crafts tokens whose Python ``hash()`` collides with another user's.
 
 The old keys were ``(hash(parent_key), tuple(tokens))``. CPython's tuple hash depends only on the

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from .cache import KVCache
+from .model import CausalLM
 from .sampling import SamplingParams, sample
 from .timing import now
-from .validate import check_int, check_integer_tensor, check_seed, check_token_ids
+from .validate import as_prompt_tensor, check_int, check_lengths, check_seed
 
 
 @dataclass(frozen=True)
@@ -26,47 +27,7 @@ class TokenEvent:
     time: float  # time.perf_counter() seconds, after synchronizing the device
 
 
-def as_prompt_tensor(prompt_ids, vocab_size: int, device) -> torch.Tensor:
-    """A list/1-D tensor of integer ids -> (1, T) long tensor on ``device``, validated."""
-    if isinstance(prompt_ids, (str, bytes)):
-        raise TypeError(f"prompt_ids is text ({prompt_ids[:40]!r}), not token ids; encode it first: "
-                        "tokenizer.encode(text)")
-    if prompt_ids is None:
-        raise TypeError("prompt_ids is None; give the prompt's token ids (a list of ints or a 1-D tensor)")
-    try:
-        ids = torch.as_tensor(prompt_ids)
-    except (TypeError, ValueError, RuntimeError, OverflowError) as error:  # torch's words name no argument
-        _explain_bad_ids(prompt_ids, vocab_size, error)
-    if ids.dim() != 1:
-        raise ValueError(f"prompt_ids must be one sequence (1-D), got shape {tuple(ids.shape)}")
-    if ids.numel() == 0:
-        raise ValueError("prompt_ids is empty; give at least one token (e.g. BOS)")
-    check_integer_tensor("prompt_ids", ids)
-    check_token_ids(ids, vocab_size)
-    return ids.to(device=device, dtype=torch.long)[None, :]
-
-
-def _explain_bad_ids(prompt_ids, vocab_size: int, error: Exception):
-    """Raise the error that says which of ``prompt_ids`` torch could not take (an id that is not an int,
-    or one too large for 64 bits), naming the argument."""
-    items = list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else None
-    for i, item in enumerate(items or ()):
-        if isinstance(item, bool) or not isinstance(item, int):
-            raise TypeError(f"prompt_ids[{i}]={item!r} is not a token id (an int)") from None
-    if items is not None:
-        check_token_ids(items, vocab_size)  # an int too large for torch is outside the vocabulary too
-    raise TypeError(f"prompt_ids={str(prompt_ids)[:60]} is not a sequence of token ids: {error}") from error
-
-
-def check_lengths(prompt_len: int, max_new_tokens: int, max_len: int, limit_name: str = "max_seq_len") -> None:
-    """prompt + new tokens must fit in ``max_len`` (the context or a cache); nothing is cut silently."""
-    check_int("max_new_tokens", max_new_tokens)
-    if prompt_len + max_new_tokens > max_len:
-        raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} = "
-                         f"{prompt_len + max_new_tokens} exceeds {limit_name}={max_len}")
-
-
-def stream_generate(model, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+def stream_generate(model: CausalLM, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
                     use_cache: bool = True, sampling: SamplingParams | None = None,
                     eos_token_id: int | None = None, seed: int | None = None, *,
                     cache: KVCache | None = None) -> Iterator[TokenEvent]:
@@ -98,7 +59,7 @@ def stream_generate(model, prompt_ids: Sequence[int] | torch.Tensor, max_new_tok
 
 
 @torch.inference_mode()
-def _stream(model, ids: torch.Tensor, max_new_tokens: int, cache: KVCache | None,
+def _stream(model: CausalLM, ids: torch.Tensor, max_new_tokens: int, cache: KVCache | None,
             sampling: SamplingParams, eos_token_id: int | None, seed: int | None) -> Iterator[TokenEvent]:
     """The loop behind stream_generate; ``cache`` None is the naive path."""
     device = model.device
@@ -117,7 +78,7 @@ def _stream(model, ids: torch.Tensor, max_new_tokens: int, cache: KVCache | None
             logits = model(seq)[:, -1]  # recompute the whole sequence
 
 
-def generate(model, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+def generate(model: CausalLM, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
              use_cache: bool = True, sampling: SamplingParams | None = None,
              eos_token_id: int | None = None, seed: int | None = None, *,
              cache: KVCache | None = None) -> list[int]:

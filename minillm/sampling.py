@@ -7,12 +7,8 @@ import torch
 
 from .validate import check_int, check_number
 
-# The smallest temperature that is sampled; anything below is greedy. Sampling runs in float32, where a
-# temperature under float32's smallest normal number (1.18e-38) rounds to a subnormal or to 0 (1e-300 is 0),
-# and logits / temperature overflows to inf (inf - inf = NaN in the softmax). Nothing is lost by going greedy:
-# at such a temperature any two logits that differ by more than ~1e-36 already give the smaller one a
-# probability that underflows to 0 (exp(-d / T) < 1e-45), so the distribution is the argmax's one-hot except
-# for exactly tied logits.
+# The smallest temperature that is sampled; below it float32's logits / temperature overflows (NaN in the
+# softmax), and sampling would be greedy anyway: every non-tied logit but the largest gets probability 0.
 MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
 
 

@@ -70,6 +70,46 @@ def check_token_ids(ids, vocab_size: int) -> None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
+def as_prompt_tensor(prompt_ids, vocab_size: int, device) -> torch.Tensor:
+    """A list/1-D tensor of integer ids -> (1, T) long tensor on ``device``, validated."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise TypeError(f"prompt_ids is text ({prompt_ids[:40]!r}), not token ids; encode it first: "
+                        "tokenizer.encode(text)")
+    if prompt_ids is None:
+        raise TypeError("prompt_ids is None; give the prompt's token ids (a list of ints or a 1-D tensor)")
+    try:
+        ids = torch.as_tensor(prompt_ids)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as error:  # torch's words name no argument
+        _explain_bad_ids(prompt_ids, vocab_size, error)
+    if ids.dim() != 1:
+        raise ValueError(f"prompt_ids must be one sequence (1-D), got shape {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError("prompt_ids is empty; give at least one token (e.g. BOS)")
+    check_integer_tensor("prompt_ids", ids)
+    check_token_ids(ids, vocab_size)
+    return ids.to(device=device, dtype=torch.long)[None, :]
+
+
+def _explain_bad_ids(prompt_ids, vocab_size: int, error: Exception):
+    """Raise the error that says which of ``prompt_ids`` torch could not take (an id that is not an int,
+    or one too large for 64 bits), naming the argument."""
+    items = list(prompt_ids) if isinstance(prompt_ids, (list, tuple)) else None
+    for i, item in enumerate(items or ()):
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise TypeError(f"prompt_ids[{i}]={item!r} is not a token id (an int)") from None
+    if items is not None:
+        check_token_ids(items, vocab_size)  # an int too large for torch is outside the vocabulary too
+    raise TypeError(f"prompt_ids={str(prompt_ids)[:60]} is not a sequence of token ids: {error}") from error
+
+
+def check_lengths(prompt_len: int, max_new_tokens: int, max_len: int, limit_name: str = "max_seq_len") -> None:
+    """prompt + new tokens must fit in ``max_len`` (the context or a cache); nothing is cut silently."""
+    check_int("max_new_tokens", max_new_tokens)
+    if prompt_len + max_new_tokens > max_len:
+        raise ValueError(f"prompt length {prompt_len} + max_new_tokens {max_new_tokens} = "
+                         f"{prompt_len + max_new_tokens} exceeds {limit_name}={max_len}")
+
+
 def read_json(path: Path) -> dict:
     """A JSON file as a dict; invalid JSON is a ValueError naming the file."""
     try:

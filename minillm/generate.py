@@ -27,6 +27,22 @@ class TokenEvent:
     time: float  # time.perf_counter() seconds, after synchronizing the device
 
 
+def check_generation(model: CausalLM, prompt_ids, max_new_tokens: int, sampling: SamplingParams | None,
+                     eos_token_id: int | None, seed: int | None) -> tuple[torch.Tensor, SamplingParams]:
+    """The checks of every generation call, before its first step: -> the prompt (1, T) on the model's
+    device and the sampling parameters (greedy when None)."""
+    sampling = SamplingParams() if sampling is None else sampling
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling={sampling!r} must be a SamplingParams or None")
+    vocab_size = model.config.vocab_size
+    if eos_token_id is not None and check_int("eos_token_id", eos_token_id, minimum=0) >= vocab_size:
+        raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary [0, {vocab_size})")
+    check_seed("seed", seed)
+    ids = as_prompt_tensor(prompt_ids, vocab_size, model.device)  # (1, T)
+    check_lengths(ids.shape[1], max_new_tokens, model.config.max_seq_len)
+    return ids, sampling
+
+
 def stream_generate(model: CausalLM, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
                     use_cache: bool = True, sampling: SamplingParams | None = None,
                     eos_token_id: int | None = None, seed: int | None = None, *,
@@ -37,15 +53,7 @@ def stream_generate(model: CausalLM, prompt_ids: Sequence[int] | torch.Tensor, m
     one of exactly prompt + max_new_tokens positions. Either way it never grows. Bad arguments
     raise here, at the call, not at the first ``next()``.
     """
-    sampling = SamplingParams() if sampling is None else sampling
-    if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"sampling={sampling!r} must be a SamplingParams or None")
-    vocab_size = model.config.vocab_size
-    if eos_token_id is not None and check_int("eos_token_id", eos_token_id, minimum=0) >= vocab_size:
-        raise ValueError(f"eos_token_id={eos_token_id} is outside the vocabulary [0, {vocab_size})")
-    check_seed("seed", seed)
-    ids = as_prompt_tensor(prompt_ids, vocab_size, model.device)  # (1, T)
-    check_lengths(ids.shape[1], max_new_tokens, model.config.max_seq_len)
+    ids, sampling = check_generation(model, prompt_ids, max_new_tokens, sampling, eos_token_id, seed)
     if cache is not None:
         if not use_cache:
             raise ValueError("a cache was given with use_cache=False; the naive path uses no cache")

@@ -11,7 +11,7 @@ jumps over them instead of sleeping, and adds them to the clock). TTFT and TPOT 
 (minillm.analysis.metrics, vLLM's definitions); p50 = median. One run each, on one machine, in one process.
 Both policies run the engine's default steps: mixed (decode rows and prefill chunks in one model call)
 under a budget of 2048 tokens, which splits prompts only when one step's admissions exceed it
-(bench_engine.py compares the step modes).
+(bench_engine.py compares budgets).
 
 Why two length distributions: a static batch lasts as long as its longest request. With uniform
 output lengths the longest of 16 is under twice the mean, so continuous batching cannot save even
@@ -27,13 +27,13 @@ import torch
 
 from minillm import build_model
 from minillm.analysis.metrics import serving_metrics
+from minillm.analysis.workload import poisson_arrivals, random_requests
 from minillm.book.notebook import pick_device
-from minillm.engine import Engine
-from minillm.engine.workload import poisson_arrivals, random_requests
+from minillm.engine import Engine, EngineConfig
 
 
 def measure(model, requests, policy, max_batch_size):
-    result = Engine(model, policy, max_batch_size=max_batch_size).run(requests)
+    result = Engine(model, EngineConfig(policy=policy, max_batch_size=max_batch_size)).run(requests)
     return result, serving_metrics(result.requests, duration=result.wall_time)
 
 

@@ -2,15 +2,19 @@
 import pytest
 from conftest import ENGINE_MODEL, check_tables, drive, greedy_reference, workload
 
-from minillm.engine import Engine, Request, StepOutput
+from minillm.engine import Engine, EngineConfig, Request, StepOutput
+
+
+def make(**settings) -> Engine:
+    return Engine(ENGINE_MODEL, EngineConfig(**settings))
 
 
 def test_requests_added_between_steps_stream_the_tokens_of_generate_alone():
     requests = workload(6, seed=7, max_tokens=10)
-    engine = Engine(ENGINE_MODEL, max_batch_size=3, max_num_batched_tokens=8)
-    assert engine.step() == [] and not engine.has_unfinished()
+    engine = make(max_batch_size=3, max_num_batched_tokens=8)
+    assert engine.step().outputs == [] and not engine.has_unfinished()
     outputs, records = drive(engine, {0: requests[:2], 2: requests[2:3], 5: requests[3:]})
-    assert not engine.has_unfinished() and engine.step() == []
+    assert not engine.has_unfinished() and engine.step().outputs == []
     for request in requests:
         outs = outputs[request.request_id]
         assert all(isinstance(o, StepOutput) and len(o.new_token_ids) == 1 for o in outs)
@@ -24,7 +28,7 @@ def test_requests_added_between_steps_stream_the_tokens_of_generate_alone():
 
 def test_run_is_the_same_loop():
     requests = workload(5, seed=8, max_tokens=6)
-    engine = Engine(ENGINE_MODEL, max_batch_size=2)
+    engine = make(max_batch_size=2)
     outputs, _ = drive(engine, {0: requests})
     result = engine.run(requests)  # the engine is idle again, so it can run a workload
     assert [r.output_ids for r in result.requests] == [
@@ -34,7 +38,7 @@ def test_run_is_the_same_loop():
 def test_eos_is_reported_as_the_finish_reason():
     prompt = [5, 6, 7]
     eos = greedy_reference(tuple(prompt))[2]
-    engine = Engine(ENGINE_MODEL, eos_token_id=eos)
+    engine = make(eos_token_id=eos)
     outputs, _ = drive(engine, {0: [Request("r", prompt, 10)]})
     last = outputs["r"][-1]
     assert last.finished and last.finish_reason == "eos" and last.new_token_ids == [eos]
@@ -46,22 +50,22 @@ def test_abort_frees_a_waiting_or_running_request_at_once(caching):
     blocks at once (shared prefix blocks stay with whoever still holds them)."""
     prefix = list(range(60, 76))
     a, b, c = (Request(name, prefix + [i], 20) for i, name in enumerate("abc"))
-    engine = Engine(ENGINE_MODEL, max_batch_size=2, block_size=4, enable_prefix_caching=caching)
+    engine = make(max_batch_size=2, block_size=4, enable_prefix_caching=caching)
     engine.add_request(a)
     engine.step()
     engine.add_request(c)
-    first = engine.step()  # c runs beside a (sharing a's 4 prefix blocks when caching)
+    first = engine.step().outputs  # c runs beside a (sharing a's 4 prefix blocks when caching)
     engine.add_request(b)  # no slot: b waits
-    assert engine.abort("b") and not engine.scheduler.waiting
-    held = len(engine.sequence("a").block_table)
+    assert engine.abort("b").status == "aborted" and not engine.scheduler.waiting
+    held = len(engine.scheduler.requests["a"].block_table)
     used = engine.blocks.num_used
-    assert engine.abort("a")
+    assert engine.abort("a").output_ids == greedy_reference(tuple(a.prompt_ids))[:2]
     assert engine.blocks.num_used == used - (held - 4 if caching else held)
     check_tables(engine)
-    assert not engine.abort("a") and not engine.abort("b") and not engine.abort("unknown")
+    assert engine.abort("a") is engine.abort("b") is engine.abort("unknown") is None
     tokens = [o.new_token_ids[0] for o in first if o.request_id == "c"]
     while engine.has_unfinished():
-        for o in engine.step():
+        for o in engine.step().outputs:
             assert o.request_id == "c"
             tokens += o.new_token_ids
         check_tables(engine)
@@ -70,7 +74,7 @@ def test_abort_frees_a_waiting_or_running_request_at_once(caching):
 
 
 def test_add_request_checks_its_argument():
-    engine = Engine(ENGINE_MODEL, num_blocks=2, block_size=8)
+    engine = make(num_blocks=2, block_size=8)
     engine.add_request(Request("x", [1, 2], 3))
     with pytest.raises(ValueError, match="request_id 'x' is already waiting or running"):
         engine.add_request(Request("x", [3], 3))

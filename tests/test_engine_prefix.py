@@ -3,20 +3,23 @@ the tokens are those of generating each request alone, and the prefill tokens sa
 import pytest
 from conftest import ENGINE_MODEL, check_invariants, check_tables, drive, greedy_reference, workload
 
-from minillm.engine import BlockManager, Engine, Request, block_key
+from minillm.engine import BlockManager, Engine, EngineConfig, Request, block_key
 from minillm.engine.request import Sequence
 
 SYSTEM = list(range(100, 110))  # a 10-token system prompt: 2 full blocks of 4 tokens, and 2 tokens over
 USERS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
 
 
-@pytest.mark.parametrize("chunked", [True, False])
-def test_a_shared_system_prompt_is_computed_once_and_the_saving_counted_exactly(chunked):
+def make(**settings) -> Engine:
+    return Engine(ENGINE_MODEL, EngineConfig(**settings))
+
+
+@pytest.mark.parametrize("budget", [None, 5])  # the default (whole prompts in a step), or chunks of a few tokens
+def test_a_shared_system_prompt_is_computed_once_and_the_saving_counted_exactly(budget):
     requests = [Request(i, SYSTEM + user, 4, arrival_time=float(i)) for i, user in enumerate(USERS)]
     runs = {}
     for caching in (False, True):
-        engine = Engine(ENGINE_MODEL, max_batch_size=4, block_size=4, enable_prefix_caching=caching,
-                        enable_chunked_prefill=chunked)
+        engine = make(max_batch_size=4, block_size=4, enable_prefix_caching=caching, max_num_batched_tokens=budget)
         runs[caching] = engine.run(requests)
         check_invariants(engine, requests, runs[caching])  # includes: tokens equal generate alone
     off, on = runs[False].requests, runs[True].requests
@@ -35,7 +38,7 @@ def test_the_last_token_is_always_computed(prompt_len, cached):
     logits give the first new token): 12 tokens = 3 full blocks, of which 2 are reused."""
     prompt = list(range(40, 40 + prompt_len))
     requests = [Request("first", prompt, 3), Request("again", prompt, 3, arrival_time=1.0)]
-    engine = Engine(ENGINE_MODEL, max_batch_size=2, block_size=4, enable_prefix_caching=True)
+    engine = make(max_batch_size=2, block_size=4, enable_prefix_caching=True)
     result = engine.run(requests)
     check_invariants(engine, requests, result)
     again = result.requests[1]
@@ -48,7 +51,7 @@ def test_least_recently_freed_blocks_are_evicted_first_tail_first():
     recently freed cached block, which is a's tail block. So b is still fully cached, a only half."""
     a, b, c = list(range(10, 19)), list(range(30, 39)), list(range(50, 62))
     requests = [Request("a", a, 1), Request("b", b, 1), Request("c", c, 2), Request("b2", b, 1), Request("a2", a, 1)]
-    engine = Engine(ENGINE_MODEL, max_batch_size=1, num_blocks=7, block_size=4, enable_prefix_caching=True)
+    engine = make(max_batch_size=1, num_blocks=7, block_size=4, enable_prefix_caching=True)
     result = engine.run(requests, concurrency=1)
     check_invariants(engine, requests, result)
     assert [r.cached_tokens for r in result.requests] == [0, 0, 0, 8, 4]
@@ -59,7 +62,7 @@ def test_shared_blocks_are_counted_and_freed_only_when_unused():
     """b shares a's system-prompt blocks while both run (count 2); when a ends they stay held by b;
     when b ends they are free but still cached; at the end every count is 0."""
     first, second = Request("a", SYSTEM + [1, 2, 3], 6), Request("b", SYSTEM + [4, 5], 8)
-    engine = Engine(ENGINE_MODEL, max_batch_size=2, block_size=4, enable_prefix_caching=True)
+    engine = make(max_batch_size=2, block_size=4, enable_prefix_caching=True)
     counts = []
 
     def check(engine):
@@ -80,7 +83,7 @@ def test_a_preempted_request_finds_its_own_blocks_when_it_resumes():
     requests = workload(10, seed=1)
     prefill = {}
     for caching in (False, True):
-        engine = Engine(ENGINE_MODEL, max_batch_size=8, num_blocks=6, block_size=8, enable_prefix_caching=caching)
+        engine = make(max_batch_size=8, num_blocks=6, block_size=8, enable_prefix_caching=caching)
         result = engine.run(requests)
         check_invariants(engine, requests, result)
         prefill[caching] = sum(r.prefill_tokens for r in result.requests)

@@ -107,7 +107,7 @@ def test_batched_decode_with_rows_of_different_lengths_equals_each_row_alone(smo
                 cache.k[layer][row] = row_cache.k[layer][0]
                 cache.v[layer][row] = row_cache.v[layer][0]
             next_tokens.append(int(logits[0, -1].argmax()))
-        cache.lengths = torch.tensor([len(p) for p in prompts])
+        cache.end(torch.tensor([[len(p) - 1] for p in prompts]))  # each row holds its prompt, copied in
         batched = [[t] for t in next_tokens]
         for _ in range(steps - 1):
             logits = model(torch.tensor([[row[-1]] for row in batched]), cache=cache)  # (3, 1, V)

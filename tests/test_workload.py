@@ -1,11 +1,13 @@
 """Synthetic workloads: arrival schedules with the right mean and shape, seeded random requests."""
 import math
 import statistics
+import subprocess
+import sys
 
 import pytest
 
 from minillm import SamplingParams
-from minillm.engine.workload import poisson_arrivals, random_requests
+from minillm.analysis.workload import poisson_arrivals, random_requests
 
 
 def gaps(times):
@@ -87,3 +89,11 @@ def test_random_requests_bad_arguments(kwargs, error, match):
     args = dict(n=3, prompt_len=(1, 8), output_len=(1, 8), seed=0) | kwargs
     with pytest.raises(error, match=match):
         random_requests(**args)
+
+
+def test_a_workload_is_drawn_without_the_engine():
+    """The bench client draws its workload for any server: the generator loads nothing of the engine."""
+    code = ("import sys; from minillm.analysis.workload import random_requests; random_requests(2, (1, 2), (1, 2), 0); "
+            "print(sorted(m for m in sys.modules if m.startswith('minillm.engine')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -129,10 +129,11 @@ def serve_live(engine, requests, late=None, at_step: int = 0) -> SimpleNamespace
         if late is not None and len(live.steps) == at_step:
             engine.add_request(late)
             live.arrival = engine.clock()
-        for out in engine.step():  # one StepOutput per request that got a token
+        step = engine.step()
+        for out in step.outputs:  # one StepOutput per request that got a token
             live.times[out.request_id].append(out.time)
             live.tokens[out.request_id] += out.new_token_ids
-        live.steps.append(engine.last_step)
+        live.steps.append(step.record)
         running = engine.scheduler.running
         live.tables.append({s.request.request_id: list(s.block_table) for s in running})
         live.held.append({s.request.request_id: s.num_computed for s in running})

@@ -5,13 +5,14 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from ..intmath import ceil_div
 from ..validate import check_int
 from .request import Sequence
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold ``n_tokens`` tokens (ceiling division)."""
-    return -(-n_tokens // block_size)
+    """Blocks of ``block_size`` tokens needed to hold ``n_tokens`` tokens."""
+    return ceil_div(n_tokens, block_size)
 
 
 ROOT_DIGEST = hashlib.sha256(b"minillm prefix cache: no parent").digest()  # the parent of a first block

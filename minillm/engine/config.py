@@ -8,7 +8,7 @@ from ..validate import check_int
 from .block_manager import blocks_for
 
 POLICIES = ("continuous", "static")
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # a mixed step's token budget unless told (vLLM's varies by version and GPU)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # a step's token budget unless told (vLLM's varies by version and GPU)
 DEFAULT_TOKENS_PER_SEQUENCE = 2048  # the default pool's tokens per batch slot, at most (see EngineConfig)
 
 
@@ -20,24 +20,21 @@ def kv_tokens_needed(total_tokens: int) -> int:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What ``Engine`` is built from; every argument is checked here, once.
+    """What an ``Engine`` is built from; every field is checked here, once.
 
     ``num_blocks`` x ``block_size`` tokens is the KV budget, allocated once. The default pool size, the
-    one rule for it (the engine and ``python -m minillm serve`` both use it, see ``pool_blocks``): room
-    for ``max_batch_size`` sequences of the model's whole context, each capped at
-    ``DEFAULT_TOKENS_PER_SEQUENCE`` tokens. Up to the cap (the tiny model's whole context) nothing is
-    ever preempted; the cap keeps a long-context model (SmolLM2's 8192 tokens) from reserving
-    gigabytes by default: a longer request may then be preempted, or rejected if the whole pool
-    cannot hold it.
+    one rule for it (see ``pool_blocks``): room for ``max_batch_size`` sequences of the model's whole
+    context, each capped at ``DEFAULT_TOKENS_PER_SEQUENCE`` tokens. Up to the cap (the tiny model's
+    whole context) nothing is ever preempted; the cap keeps a long-context model (SmolLM2's 8192 tokens)
+    from reserving gigabytes by default: a longer request may then be preempted, or rejected if the
+    whole pool cannot hold it.
 
-    ``enable_chunked_prefill`` (vLLM's name) implies two things: a step takes at most
-    ``max_num_batched_tokens`` tokens (default ``DEFAULT_MAX_NUM_BATCHED_TOKENS``, at least
-    ``max_batch_size``), at most ``max_prefill_chunk`` of one request (default: the budget), so a long
-    prompt is prefilled over several steps; and the step is ONE model call over every decode token and
-    prefill chunk, back to back (``ModelRunner``'s ``one_call_per_step``). Off: the old engine, each
-    admitted prompt whole in a model call of its own, then one batched decode call (kept for
-    ``bench_engine``). ``enable_prefix_caching``: full KV blocks are shared between requests whose
-    tokens start the same way (continuous policy only: static padding rows rewrite cached positions).
+    Every step is one model call over every decode token and prefill chunk, back to back (chunked
+    prefill, Sarathi-Serve's mixed step): at most ``max_num_batched_tokens`` tokens (default
+    ``DEFAULT_MAX_NUM_BATCHED_TOKENS``, at least ``max_batch_size``), at most ``max_prefill_chunk`` of
+    one request (default: the budget), so a long prompt is prefilled over several steps.
+    ``enable_prefix_caching``: full KV blocks are shared between requests whose tokens start the same
+    way (continuous policy only: static padding rows rewrite cached positions).
     """
 
     policy: str = "continuous"
@@ -45,8 +42,7 @@ class EngineConfig:
     num_blocks: int | None = None  # None: the default pool (pool_blocks)
     block_size: int = 16
     eos_token_id: int | None = None
-    enable_chunked_prefill: bool = True
-    max_num_batched_tokens: int | None = None  # None: the default budget with chunked prefill, else no budget
+    max_num_batched_tokens: int | None = None  # None: DEFAULT_MAX_NUM_BATCHED_TOKENS, or max_batch_size if more
     max_prefill_chunk: int | None = None
     enable_prefix_caching: bool = False
 
@@ -59,19 +55,14 @@ class EngineConfig:
         check_int("block_size", self.block_size)
         if self.eos_token_id is not None:
             check_int("eos_token_id", self.eos_token_id, minimum=0)
-        if self.enable_chunked_prefill:
-            if self.max_num_batched_tokens is None:
-                object.__setattr__(self, "max_num_batched_tokens",
-                                   max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_batch_size))
-            check_int("max_num_batched_tokens", self.max_num_batched_tokens)
-            if self.max_num_batched_tokens < self.max_batch_size:
-                raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_batch_size="
-                                 f"{self.max_batch_size}: every running request's decode token must fit in a step")
-            if self.max_prefill_chunk is not None:
-                check_int("max_prefill_chunk", self.max_prefill_chunk)
-        elif self.max_num_batched_tokens is not None or self.max_prefill_chunk is not None:
-            raise ValueError("max_num_batched_tokens and max_prefill_chunk need enable_chunked_prefill=True "
-                             "(without it each prompt is prefilled whole, in a call of its own)")
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_batch_size))
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens < self.max_batch_size:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_batch_size="
+                             f"{self.max_batch_size}: every running request's decode token must fit in a step")
+        if self.max_prefill_chunk is not None:
+            check_int("max_prefill_chunk", self.max_prefill_chunk)
         if self.enable_prefix_caching and self.policy == "static":
             raise ValueError("enable_prefix_caching needs policy='continuous' (static padding rows "
                              "recompute positions that cached blocks may share)")

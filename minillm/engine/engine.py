@@ -2,21 +2,22 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from ..sampling import sample
 from ..timing import now
 from ..validate import check_int, check_token_ids
 from .block_manager import BlockManager, blocks_for
-from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, kv_tokens_needed
+from .config import EngineConfig, kv_tokens_needed
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVPool
-from .request import Request, RequestRecord, Sequence, StepOutput, TokenLogprob
+from .request import Request, RequestRecord, Sequence, Status, StepOutput
+from .sampler import sample_rows, token_logprobs
 from .scheduler import Scheduler, StepPlan
 
-__all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "Engine", "EngineLoad", "RunResult", "StepRecord"]
+__all__ = ["Engine", "EngineLoad", "Rejection", "RunResult", "StepRecord", "StepResult"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,16 +30,25 @@ class StepRecord:
     n_decode: int  # decode rows: running requests fed their last token
     n_padding: int  # static: finished rows computed as padding (output discarded)
     n_waiting: int  # arrived requests still waiting after this step's admissions
-    blocks_used: int  # distinct KV blocks in the block tables of the step's requests, after its allocations
+    blocks_used: int  # KV blocks held by the step's requests, after its allocations
     n_preempted: int
     prefill_tokens: int  # tokens of prefill (prompt, or prompt + output when recomputed) computed
     decode_tokens: int  # tokens fed by decode rows, padding rows included (one each)
     cached_tokens: int  # tokens this step's admissions took from the prefix cache instead of computing
-    model_calls: int  # 1 for a mixed step; separate: one per prefill, plus one for the decode rows
     n_sampled: int  # requests that got a token (decode rows + prefills that reached their end)
     n_finished: int  # requests that ended in this step
-    duration: float  # seconds the step took: scheduling, model calls, sampling (it began at time - duration)
+    duration: float  # seconds the step took: scheduling, model call, sampling (it began at time - duration)
     blocks_cached: int  # free blocks still holding a reusable prefix (prefix caching), after the step
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Everything one step did: a token for each request that got one, the step's record (None when
+    nothing was waiting or running), and the records of the requests the step ended."""
+
+    outputs: list[StepOutput]
+    record: StepRecord | None
+    ended: list[RequestRecord]
 
 
 @dataclass(frozen=True)
@@ -56,26 +66,36 @@ class RunResult:
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """How busy the engine is now (what a server's ``/health`` reports)."""
+    """How busy the engine is now, and what it has done since it was made (a server's ``/health``)."""
 
     running: int  # requests admitted (holding a batch slot)
     waiting: int  # requests queued, not admitted
-    blocks_used: int  # KV blocks held by at least one request
-    blocks_total: int  # the pool's blocks
+    kv_blocks_used: int  # KV blocks held by at least one request
+    kv_blocks_total: int  # the pool's blocks
+    steps: int  # steps that computed something
+    finished: int  # requests ended by EOS, max_tokens or a stop string
+    aborted: int  # requests ended because their client left
+    failed: int  # requests ended by an error in a step
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why the engine can never serve a request: the field at fault and what is wrong with it."""
+
+    field: Literal["prompt", "max_tokens"]
+    message: str
 
 
 class Engine:
     """Serves many requests with one model: a paged KV pool, a scheduler, one model call a step.
 
-    The arguments are those of ``EngineConfig``, which checks them and says what they imply (the
-    default pool size; what ``enable_chunked_prefill`` turns on); ``Engine.from_config`` takes one.
-
-    Who owns what: the ``Scheduler`` every ``Sequence``'s state (queues, progress, tokens, finishing),
-    the ``BlockManager`` the blocks and block tables, the ``ModelRunner`` the model calls; the engine
-    holds them together, keeps the clock and the index of live requests by id, and samples.
+    ``EngineConfig`` holds the settings and says what they imply (the default pool size, the token
+    budget). Who owns what: the ``Scheduler`` every ``Sequence``'s state (queues, progress, tokens,
+    endings) and the live requests by id; the ``BlockManager`` the blocks and block tables; the
+    ``ModelRunner`` the model call. The engine keeps the clock and runs the step.
 
     Online use (one thread; the engine is not thread-safe): ``add_request`` at any time, ``step``
-    until ``has_unfinished()`` is False, ``abort`` to drop a request. ``run`` serves a whole
+    until ``has_unfinished()`` is False, ``abort`` to end a request early. ``run`` serves a whole
     workload with that loop.
 
     The clock: times are seconds since the engine was made (``run`` restarts it), read with
@@ -85,44 +105,20 @@ class Engine:
     elapsed time + idle skipped, exactly what a sleeping engine would have read.
     """
 
-    def __init__(self, model, policy: str = "continuous", max_batch_size: int = 8,
-                 num_blocks: int | None = None, block_size: int = 16, eos_token_id: int | None = None, *,
-                 enable_chunked_prefill: bool = True, max_num_batched_tokens: int | None = None,
-                 max_prefill_chunk: int | None = None, enable_prefix_caching: bool = False):
-        config = EngineConfig(policy=policy, max_batch_size=max_batch_size, num_blocks=num_blocks,
-                              block_size=block_size, eos_token_id=eos_token_id,
-                              enable_chunked_prefill=enable_chunked_prefill,
-                              max_num_batched_tokens=max_num_batched_tokens, max_prefill_chunk=max_prefill_chunk,
-                              enable_prefix_caching=enable_prefix_caching)
+    def __init__(self, model, config: EngineConfig = EngineConfig()):  # noqa: B008 (frozen: one default is safe)
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         if config.eos_token_id is not None and config.eos_token_id >= model.config.vocab_size:
             raise ValueError(f"eos_token_id={config.eos_token_id} is outside the model's vocabulary "
                              f"[0, {model.config.vocab_size})")
         self.model, self.config = model, config
         num_blocks = config.pool_blocks(model.config.max_seq_len)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.policy, config.max_batch_size, self.blocks, config.max_num_batched_tokens,
-                                   config.max_prefill_chunk, eos_token_id=config.eos_token_id)
+        self.scheduler = Scheduler(config, self.blocks)
         self.pool = PagedKVPool(model.config, num_blocks, config.block_size, model.device, model.dtype)
-        self.runner = ModelRunner(model, self.pool, one_call_per_step=config.enable_chunked_prefill)
-        self._live: dict[int | str, Sequence] = {}  # the requests waiting or running, by id
-        self.last_step: StepRecord | None = None  # the record of the latest step that computed something
-        # the requests the latest step ended because their own row failed (sampling): id -> the exception;
-        # they are aborted (record status "aborted", reason "error"), and the step went on for the others
-        self.last_failures: dict[int | str, Exception] = {}
+        self.runner = ModelRunner(model, self.pool)
+        self.steps = 0  # steps that computed something
         self._start, self._idle = now(model.device), 0.0
-
-    @classmethod
-    def from_config(cls, model, config: EngineConfig) -> Engine:
-        """The engine ``config`` describes, for ``model``."""
-        return cls(model, **asdict(config))  # the fields are the constructor's keywords
-
-    @property
-    def enable_chunked_prefill(self) -> bool:
-        return self.config.enable_chunked_prefill
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.config.eos_token_id
 
     @property
     def max_total_tokens(self) -> int:
@@ -143,81 +139,76 @@ class Engine:
         can never serve it (see ``rejection``) or its id is already waiting or running."""
         if not isinstance(request, Request):
             raise TypeError(f"request must be a Request, got {type(request).__name__}")
-        reason = self.rejection(request)
-        if reason is not None:
-            raise ValueError(f"request {request.request_id!r} rejected: {reason}")
-        self._queue(Sequence(request, self.model.device), self.clock() if arrival_time is None else arrival_time)
+        rejection = self.rejection(request)
+        if rejection is not None:
+            raise ValueError(f"request {request.request_id!r} rejected: {rejection.message}")
+        arrival = self.clock() if arrival_time is None else arrival_time
+        self.scheduler.add(Sequence(request, self.model.device), float(arrival))
 
-    def abort(self, request_id: int | str) -> bool:
-        """Drop a waiting or running request at once, freeing its KV blocks (e.g. its client left).
+    def abort(self, request_id: int | str, reason: str = "client") -> RequestRecord | None:
+        """End a waiting or running request now, freeing its KV blocks: ``reason`` "client" (its client
+        left: ABORTED), "stop" (its caller found a stop string in its text: FINISHED) or "error" (FAILED).
 
-        Returns False when no such request is waiting or running (unknown, finished, or aborted)."""
-        seq = self._live.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.abort(seq, self.clock())
-        return True
+        Returns its record, or None when no such request is waiting or running."""
+        seq = self.scheduler.abort(request_id, reason, self.clock())
+        return None if seq is None else seq.record()
 
     def has_unfinished(self) -> bool:
         """True while some request is waiting or running."""
-        return bool(self._live)
-
-    def sequence(self, request_id: int | str) -> Sequence | None:
-        """The engine's state of a waiting or running request (read it, do not change it; its
-        ``record()`` once it has ended), or None."""
-        return self._live.get(request_id)
+        return bool(self.scheduler.requests)
 
     def load(self) -> EngineLoad:
-        """Requests running and waiting, KV blocks used and in all, now."""
+        """Requests running and waiting, KV blocks used and in all, now; steps and endings so far."""
+        ended = self.scheduler.ended
         return EngineLoad(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                          blocks_used=self.blocks.num_used, blocks_total=self.blocks.num_blocks)
+                          kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.num_blocks,
+                          steps=self.steps, finished=ended[Status.FINISHED], aborted=ended[Status.ABORTED],
+                          failed=ended[Status.FAILED])
+
+    def rejection(self, request: Request) -> Rejection | None:
+        """Why ``request`` can never be served by this engine, or None if it can (its ids are in the
+        vocabulary, and its prompt and ``max_tokens`` fit ``max_total_tokens``). Reads constants only:
+        safe from any thread."""
+        config, prompt = self.model.config, request.prompt_ids
+        if not prompt:
+            return Rejection("prompt", "empty prompt")
+        try:
+            check_token_ids(prompt, config.vocab_size)
+        except ValueError as error:
+            return Rejection("prompt", str(error))
+        total = len(prompt) + request.max_tokens
+        if total <= self.max_total_tokens:
+            return None
+        field = "prompt" if len(prompt) >= self.max_total_tokens else "max_tokens"  # no room left for a reply
+        if total > config.max_seq_len:
+            return Rejection(field, f"prompt length {len(prompt)} + max_tokens {request.max_tokens} = {total} "
+                                    f"exceeds max_seq_len={config.max_seq_len}")
+        need = blocks_for(kv_tokens_needed(total), self.blocks.block_size)
+        return Rejection(field, f"needs {need} KV blocks of {self.blocks.block_size} tokens, "
+                                f"more than the whole pool of {self.blocks.num_blocks}")
 
     @torch.inference_mode()
-    def step(self) -> list[StepOutput]:
-        """Schedule, run the model once (mixed) or per batch (separate), sample (and take the log-probs of
-        the requests that ask, ``Request.logprobs``), and report.
-
-        Returns one ``StepOutput`` per request that got a token (the finished ones say so); an empty
-        list when nothing is waiting or running. The step's ``StepRecord`` is in ``last_step``.
-        """
-        self.last_failures = {}
-        if not self._live:
-            return []
+    def step(self) -> StepResult:
+        """Schedule, run the model once, sample (with the log-probs of the requests that ask,
+        ``Request.logprobs``), postprocess; -> what the step did."""
+        if not self.has_unfinished():
+            return StepResult([], None, [])
         start = self.clock()
         plan = self.scheduler.schedule()
         if not plan.decode and not plan.prefill:
             raise RuntimeError("scheduler made no progress")  # a bug guard: admission always fits an empty pool
-        n_waiting, blocks_used = len(self.scheduler.waiting), self._blocks_in_tables()
-        logits, calls = self.runner.run(plan)  # (len(plan.sampled), vocab)
-        tokens, failed = self._sample(plan.sampled, logits, self.model.config.vocab_size)
-        logprobs = [token_logprobs(row, token, s.request.logprobs)  # only for the requests that ask
-                    if s.request.logprobs is not None and s not in failed else None
+        n_waiting, blocks_used = len(self.scheduler.waiting), self.blocks.num_used
+        logits = self.runner.run(plan)  # (len(plan.sampled), vocab)
+        tokens = sample_rows(plan.sampled, logits)
+        logprobs = [None if s.request.logprobs is None else [token_logprobs(row, token, s.request.logprobs)]
                     for s, row, token in zip(plan.sampled, logits, tokens)]
         end = self.clock()  # the tokens are ready: the step's end, read once
-        if failed:  # those requests alone end (aborted, reason "error"); the step goes on for the others
-            for seq, error in failed.items():
-                self.scheduler.abort(seq, end)
-                seq.finish_reason = "error"
-                del self._live[seq.request.request_id]
-                self.last_failures[seq.request.request_id] = error
-            kept = [i for i, s in enumerate(plan.sampled) if s not in failed]
-            plan = StepPlan([s for s in plan.decode if s not in failed],
-                            [(s, n) for s, n in plan.prefill if s not in failed], plan.padding, plan.preempted,
-                            plan.cached_tokens)
-            tokens, logprobs = [tokens[i] for i in kept], [logprobs[i] for i in kept]
-        outputs = self.scheduler.postprocess(plan, tokens, end)  # one per plan.sampled, in that order
-        outputs = [out if lp is None else replace(out, logprobs=[lp]) for out, lp in zip(outputs, logprobs)]
-        for out in outputs:
-            if out.finished:
-                del self._live[out.request_id]
-        self.last_step = StepRecord(
-            time=end, duration=end - start, n_running=len(plan.prefill) + len(plan.decode),
-            n_prefill=len(plan.prefill), n_decode=len(plan.decode), n_padding=len(plan.padding),
-            n_waiting=n_waiting, blocks_used=blocks_used, n_preempted=plan.preempted,
-            prefill_tokens=sum(n for _, n in plan.prefill), decode_tokens=len(plan.decode) + len(plan.padding),
-            cached_tokens=plan.cached_tokens, model_calls=calls, n_sampled=len(tokens),
-            n_finished=sum(out.finished for out in outputs), blocks_cached=self.blocks.num_cached)
-        return outputs
+        ended = self.scheduler.postprocess(plan, tokens, end)
+        outputs = [StepOutput(s.request.request_id, [token], s.finished, s.finish_reason, end, lp)
+                   for s, token, lp in zip(plan.sampled, tokens, logprobs)]
+        self.steps += 1
+        record = self._record(plan, start, end, n_waiting, blocks_used, n_finished=len(ended))
+        return StepResult(outputs, record, [s.record() for s in ended])
 
     # ---- a whole workload ---------------------------------------------------------------------
     def run(self, requests: list[Request], concurrency: int | None = None) -> RunResult:
@@ -235,60 +226,32 @@ class Engine:
             check_int("concurrency", concurrency)
             pending, unreleased = deque((0.0, s) for s in seqs[:concurrency]), deque(seqs[concurrency:])
         self._start, self._idle = now(self.model.device), 0.0
-        by_id, steps = {s.request.request_id: s for s in seqs}, []
+        steps = []
 
-        def end(seq: Sequence) -> None:  # a request left the system: in a closed loop, its user sends the next
+        def ended(time: float) -> None:  # a request left the system: in a closed loop, its user sends the next
             if unreleased:
-                pending.append((seq.finish_time, unreleased.popleft()))
+                pending.append((time, unreleased.popleft()))
 
         while True:
             t = self.clock()
             while pending and pending[0][0] <= t:
                 arrival, seq = pending.popleft()
-                reason = self.rejection(seq.request)
-                if reason is None:
-                    self._queue(seq, arrival)
+                rejection = self.rejection(seq.request)
+                if rejection is None:
+                    self.scheduler.add(seq, arrival)
                 else:
-                    self.scheduler.reject(seq, reason, arrival)
-                    end(seq)
-            if not self._live:
+                    self.scheduler.reject(seq, rejection.message, arrival)
+                    ended(arrival)
+            if not self.has_unfinished():
                 if not pending:
                     break
                 self._idle += pending[0][0] - t  # jump to the next arrival instead of sleeping
                 continue
-            outputs = self.step()
-            steps.append(self.last_step)
-            for o in outputs:
-                if o.finished:
-                    end(by_id[o.request_id])
+            result = self.step()
+            steps.append(result.record)
+            for record in result.ended:
+                ended(record.finish_time)
         return RunResult([s.record() for s in seqs], steps, self.clock(), self._idle)
-
-    def rejection(self, request: Request) -> str | None:
-        """Why ``request`` can never be served by this engine, or None if it can (its prompt and
-        ``max_tokens`` fit ``max_total_tokens``). Reads constants only: safe from any thread."""
-        config, prompt = self.model.config, request.prompt_ids
-        if not prompt:
-            return "empty prompt"
-        try:
-            check_token_ids(prompt, config.vocab_size)
-        except ValueError as error:
-            return str(error)
-        total = len(prompt) + request.max_tokens
-        if total <= self.max_total_tokens:
-            return None
-        if total > config.max_seq_len:
-            return (f"prompt length {len(prompt)} + max_tokens {request.max_tokens} = {total} "
-                    f"exceeds max_seq_len={config.max_seq_len}")
-        need = blocks_for(kv_tokens_needed(total), self.blocks.block_size)
-        return (f"needs {need} KV blocks of {self.blocks.block_size} tokens, "
-                f"more than the whole pool of {self.blocks.num_blocks}")
-
-    def _queue(self, seq: Sequence, arrival_time: float) -> None:
-        request_id = seq.request.request_id
-        if request_id in self._live:
-            raise ValueError(f"request_id {request_id!r} is already waiting or running")
-        self._live[request_id] = seq
-        self.scheduler.add(seq, float(arrival_time))
 
     def _sequences(self, requests) -> list[Sequence]:
         if not isinstance(requests, (list, tuple)) or not all(isinstance(r, Request) for r in requests):
@@ -297,39 +260,16 @@ class Engine:
         if len(set(ids)) != len(ids):
             dup = next(i for i in ids if ids.count(i) > 1)
             raise ValueError(f"request_id {dup!r} appears more than once")
-        if self._live or self.blocks.num_used:
+        if self.has_unfinished() or self.blocks.num_used:
             raise RuntimeError("the engine is still holding requests from an earlier run")
         return [Sequence(r, self.model.device) for r in requests]
 
-    def _blocks_in_tables(self) -> int:
-        """Distinct blocks in the tables of the running and padding sequences: the memory in use,
-        counted from the tables themselves, not from the allocator's free list."""
-        return len({b for s in self.scheduler.running + self.scheduler.padding for b in s.block_table})
-
-    @staticmethod
-    def _sample(seqs: list[Sequence], logits: torch.Tensor,
-                vocab_size: int) -> tuple[list[int], dict[Sequence, Exception]]:
-        """One token per row of ``logits`` (n, vocab), for ``seqs[i]``. Row by row, on purpose: each request
-        has its own sampling parameters and its own seeded generator, so that its tokens do not depend on
-        who shares its batch (a batched sampler would draw every row from one random stream).
-
-        A row that fails (sampling raises, or gives no token of the vocabulary) belongs to its request
-        alone: it is returned in the dict of failures (its token is a placeholder -1), the others go on."""
-        tokens, failed = [], {}
-        for i, s in enumerate(seqs):
-            try:
-                token = int(sample(logits[i:i + 1], s.request.sampling, s.generator))
-                if not 0 <= token < vocab_size:
-                    raise ValueError(f"sampled token {token} is outside the vocabulary [0, {vocab_size})")
-            except Exception as error:  # any failure of one row is that request's
-                failed[s], token = error, -1
-            tokens.append(token)
-        return tokens, failed
-
-
-def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
-    """``token``'s log-prob and the ``k`` most likely tokens' under the raw distribution ``logits`` (V,) stand
-    for (before temperature, top-k, top-p: vLLM's default), in float32."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (V,)
-    top = torch.topk(logprobs, min(k, logprobs.numel()))  # sorted, most likely first
-    return TokenLogprob(token, float(logprobs[token]), list(zip(top.indices.tolist(), top.values.tolist())))
+    def _record(self, plan: StepPlan, start: float, end: float, n_waiting: int, blocks_used: int,
+                n_finished: int) -> StepRecord:
+        return StepRecord(
+            time=end, duration=end - start, n_running=len(plan.prefill) + len(plan.decode),
+            n_prefill=len(plan.prefill), n_decode=len(plan.decode), n_padding=len(plan.padding),
+            n_waiting=n_waiting, blocks_used=blocks_used, n_preempted=plan.preempted,
+            prefill_tokens=sum(n for _, n in plan.prefill), decode_tokens=len(plan.decode) + len(plan.padding),
+            cached_tokens=plan.cached_tokens, n_sampled=len(plan.sampled), n_finished=n_finished,
+            blocks_cached=self.blocks.num_cached)

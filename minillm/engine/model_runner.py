@@ -1,5 +1,4 @@
-"""Turns a step's plan into model calls: one mixed call, or (the old way) one call per prefill plus
-one batched decode call. Returns the logits of every row that samples a token."""
+"""Turns a step's plan into one model call and returns the logits of every row that samples a token."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from .scheduler import StepPlan
 
 @dataclass(frozen=True)
 class CallBatch:
-    """One batch of a step, ready for ``model(ids, positions, cache)``."""
+    """One batch of a step: token ids and positions (B, t), its cache view, the rows that sample."""
 
     ids: torch.Tensor  # (B, t) token ids
     positions: torch.Tensor  # (B, t) their positions
@@ -36,29 +35,38 @@ class ModelRunner:
     """Runs one model over a paged KV pool (vLLM's name for the part that builds the input tensors).
 
     A plan is a list of batches: the decode rows as one ``(B, 1)`` batch (static padding rows
-    included), then each prefill chunk as a ``(1, t)`` batch. ``one_call_per_step`` (what the engine's
-    ``enable_chunked_prefill`` implies): all of them in one model call, laid out back to back in one
-    row of tokens (``MixedStepView``); otherwise each batch in a call of its own.
+    included), then each prefill chunk as a ``(1, t)`` batch. A step runs them in one model call, laid
+    out back to back in one row of tokens (``MixedStepView``); a step of one batch runs it as it is.
+
+    The call is the model's unchecked ``compute``: the engine has checked every token id when it
+    admitted the request (each sampled id indexes the logits' vocabulary axis, so it is in range too),
+    and every position lies below the context (``Engine.max_total_tokens``).
     """
 
-    def __init__(self, model, pool: PagedKVPool, one_call_per_step: bool = True):
-        self.model, self.pool, self.one_call_per_step = model, pool, one_call_per_step
+    def __init__(self, model, pool: PagedKVPool):
+        self.model, self.pool = model, pool
 
-    def run(self, plan: StepPlan) -> tuple[torch.Tensor, int]:
-        """-> (the logits of ``plan.sampled``, in that order (n, vocab), the number of model calls made)."""
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """-> the logits of ``plan.sampled``, in that order: (n, vocab)."""
         batches = self._batches(plan)
-        if not self.one_call_per_step or len(batches) == 1:
-            logits = [self.model(b.ids, b.positions, b.cache).flatten(0, 1)[b.sampled_rows]  # (rows, vocab)
-                      for b in batches]
-            return torch.cat(logits), len(batches)
+        if len(batches) == 1:
+            (b,) = batches
+            return self._call(b.ids, b.positions, b.cache).flatten(0, 1)[b.sampled_rows]  # (n, vocab)
         ids = torch.cat([b.ids.flatten() for b in batches])[None]  # (1, N): batches back to back
         positions = torch.cat([b.positions.flatten() for b in batches])[None]  # (1, N)
-        cache = MixedStepView([(*b.ids.shape, b.cache) for b in batches], self.model.config.n_groups)
+        cache = MixedStepView([(*b.ids.shape, b.cache) for b in batches])
         rows, offset = [], 0
         for b in batches:
             rows += [offset + r for r in b.sampled_rows]
             offset += b.ids.numel()
-        return self.model(ids, positions, cache)[0, rows], 1  # (n, vocab)
+        return self._call(ids, positions, cache)[0, rows]  # (n, vocab)
+
+    def _call(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """ids, positions (B, T) -> logits (B, T, vocab), the cache written and advanced."""
+        cache.begin(positions)
+        logits = self.model.compute(ids, positions, cache)
+        cache.end(positions)
+        return logits
 
     def _batches(self, plan: StepPlan) -> list[CallBatch]:
         device, batches = self.model.device, []

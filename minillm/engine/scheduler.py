@@ -1,16 +1,22 @@
 """Who runs this step, and how many of their tokens: the waiting and running queues, two batching
-policies, a per-step token budget, preemption; and, once the step has run, what its tokens change."""
+policies, a per-step token budget, preemption; once the step has run, what its tokens change; and the
+one door every request's ending goes through."""
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
-from .config import POLICIES
-from .request import Sequence, Status, StepOutput
+from .config import EngineConfig
+from .request import Sequence, Status
 
-__all__ = ["POLICIES", "Scheduler", "StepPlan", "may_admit"]
+__all__ = ["ABORT_REASONS", "Scheduler", "StepPlan", "may_admit"]
+
+# Engine.abort's reasons, and how each ends a request: its client left, its caller found a stop string in
+# its text (a normal ending, as vLLM's output processor makes it), or the step it was in failed.
+ABORT_REASONS = {"client": Status.ABORTED, "stop": Status.FINISHED, "error": Status.FAILED}
+STEP_ENDINGS = ("eos", "max_tokens")  # the endings a step's own token decides
 
 
 def may_admit(policy: str, preempted: bool, busy: bool) -> bool:
@@ -18,8 +24,7 @@ def may_admit(policy: str, preempted: bool, busy: bool) -> bool:
 
     ``busy``: something still holds a batch slot. Static batching admits only into an empty batch;
     continuous batching admits at every step, except one that had to preempt while others still run
-    (the preempted would be readmitted at once, into the room just freed). The engine's ``Scheduler``
-    and the model-free simulator of lab 2.3 (``minillm.book.labs.batching``) both ask this.
+    (the preempted would be readmitted at once, into the room just freed).
     """
     return not busy or (policy == "continuous" and not preempted)
 
@@ -50,9 +55,9 @@ class StepPlan:
 
 
 class Scheduler:
-    """Moves sequences waiting -> running -> finished under a batch limit, a block budget and a
-    token budget; the one owner of every ``Sequence``'s state (nano-vllm's split: the engine's step is
-    ``schedule``, the model runs, ``postprocess``).
+    """Moves sequences waiting -> running -> ended under a batch limit, a block budget and a token
+    budget; the one owner of every ``Sequence``'s state and of the index of live requests by id
+    (nano-vllm's split: the engine's step is ``schedule``, the model runs, ``postprocess``).
 
     ``continuous`` (iteration-level, Orca/vLLM): every step admits waiting sequences while the batch
     limit, the free blocks and the token budget allow, and a finished sequence frees its slot and
@@ -64,38 +69,63 @@ class Scheduler:
     Each step takes, in this order (Sarathi-Serve's stall-free batching): one token for every
     running sequence past its prefill (decode), oldest first; then prefill chunks of the running
     sequences still in prefill, oldest first; then admissions, first come first served. Every token
-    counts against ``max_num_batched_tokens`` (None: no limit), and no sequence gets more than
-    ``max_prefill_chunk`` prefill tokens in one step (None: only the budget limits it). Admission
-    reserves blocks for every token the sequence holds, as vLLM's V0 scheduler does; when a decode
-    step finds no free block, the most recently admitted running sequence is preempted: its blocks
-    are freed and it goes back to the front of the waiting queue, to be recomputed (prompt + output
-    so far) when it resumes (vLLM's policy).
-
-    The arguments are checked by ``EngineConfig`` (the ``Engine`` builds the Scheduler from one):
-    ``max_num_batched_tokens`` is None (no limit) or >= ``max_batch_size``, so that every running
-    sequence's decode token fits in a step.
+    counts against ``max_num_batched_tokens``, and no sequence gets more than ``max_prefill_chunk``
+    prefill tokens in one step (None: only the budget limits it). Admission reserves blocks for every
+    token the sequence holds, as vLLM's V0 scheduler does; when a decode step finds no free block,
+    the most recently admitted running sequence is preempted: its blocks are freed and it goes back to
+    the front of the waiting queue, to be recomputed (prompt + output so far) when it resumes (vLLM's
+    policy). ``EngineConfig`` checks the settings: the budget holds every running sequence's decode token.
     """
 
-    def __init__(self, policy: str, max_batch_size: int, blocks: BlockManager,
-                 max_num_batched_tokens: int | None = None, max_prefill_chunk: int | None = None,
-                 eos_token_id: int | None = None):
-        self.policy, self.max_batch_size, self.blocks = policy, max_batch_size, blocks
-        self.max_num_batched_tokens, self.max_prefill_chunk = max_num_batched_tokens, max_prefill_chunk
-        self.eos_token_id = eos_token_id
+    def __init__(self, config: EngineConfig, blocks: BlockManager):
+        self.config, self.blocks = config, blocks
+        self.requests: dict[int | str, Sequence] = {}  # the waiting and running sequences, by request id
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in order of admission
         self.padding: list[Sequence] = []  # static: finished, still holding slot and blocks
+        self.ended: Counter[Status] = Counter()  # requests ended so far, by status
 
     def add(self, seq: Sequence, arrival_time: float) -> None:
-        """Queue ``seq``, which arrived at ``arrival_time`` on the engine's clock."""
+        """Queue ``seq``, which arrived at ``arrival_time`` on the engine's clock; ValueError if a request
+        with its id is already waiting or running."""
+        request_id = seq.request.request_id
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already waiting or running")
+        self.requests[request_id] = seq
         seq.status, seq.arrival_time = Status.WAITING, arrival_time
         self.waiting.append(seq)
 
-    @staticmethod
-    def reject(seq: Sequence, reason: str, arrival_time: float) -> None:
+    def reject(self, seq: Sequence, reason: str, arrival_time: float) -> None:
         """End ``seq`` at its arrival without queuing it: the engine can never serve it."""
-        seq.status, seq.finish_reason = Status.REJECTED, reason
-        seq.arrival_time = seq.finish_time = arrival_time
+        seq.arrival_time = arrival_time
+        self.finish(seq, Status.REJECTED, reason, arrival_time)
+
+    def abort(self, request_id: int | str, reason: str, time: float) -> Sequence | None:
+        """End a waiting or running request at ``time`` for ``reason`` (a key of ``ABORT_REASONS``), freeing
+        its blocks at once; -> its sequence, or None when no such request is waiting or running."""
+        if reason not in ABORT_REASONS:
+            raise ValueError(f"unknown abort reason {reason!r}; choose one of {tuple(ABORT_REASONS)}")
+        seq = self.requests.get(request_id)
+        if seq is not None:
+            self.finish(seq, ABORT_REASONS[reason], reason, time)
+        return seq
+
+    def finish(self, seq: Sequence, status: Status, reason: str, time: float) -> None:
+        """The one door every ending goes through: EOS, max_tokens, a stop string, a client that left, a
+        failure, a rejection. A running sequence lets go of its slot and blocks at once, except a static
+        batch's row that the step itself ended: that one stays as padding until its batch is over."""
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            if self.config.policy == "static" and reason in STEP_ENDINGS:
+                self.padding.append(seq)
+            else:
+                self.blocks.free(seq)
+            self._close_batch()
+        self.requests.pop(seq.request.request_id, None)
+        seq.status, seq.finish_reason, seq.finish_time = status, reason, time
+        self.ended[status] += 1
 
     def schedule(self) -> StepPlan:
         """Decode rows first (growing their tables, preempting the newest when blocks run
@@ -116,18 +146,17 @@ class Scheduler:
                 self.blocks.grow(seq, seq.num_tokens)  # room for position num_tokens - 1
                 decode.append(seq)
         self._close_batch()
-        budget = self.max_num_batched_tokens or math.inf
-        budget -= len(decode) + len(self.padding)  # >= 0: budget >= max_batch_size
+        budget = self.config.max_num_batched_tokens - len(decode) - len(self.padding)  # >= 0: see EngineConfig
         prefill = []
         for seq in self.running:
             if seq.prefilling and budget > 0:
                 prefill.append((seq, self._chunk(seq, budget)))
                 budget -= prefill[-1][1]
         cached = 0
-        if may_admit(self.policy, bool(preempted), busy=bool(self.running)):
+        if may_admit(self.config.policy, bool(preempted), busy=bool(self.running)):
             # a static batch forms whole (its chunks come in later steps)
-            while self.waiting and len(self.running) < self.max_batch_size and (
-                    budget > 0 or self.policy == "static"):
+            while self.waiting and len(self.running) < self.config.max_batch_size and (
+                    budget > 0 or self.config.policy == "static"):
                 seq = self.waiting[0]
                 hit = self.blocks.admit(seq)  # tokens in the prefix cache, or None: no room
                 if hit is None:
@@ -143,13 +172,13 @@ class Scheduler:
                     budget -= prefill[-1][1]
         return StepPlan(decode, prefill, list(self.padding), preempted, cached)
 
-    def postprocess(self, plan: StepPlan, tokens: list[int], time: float) -> list[StepOutput]:
+    def postprocess(self, plan: StepPlan, tokens: list[int], time: float) -> list[Sequence]:
         """Apply a step that has run: ``tokens[i]`` is the token sampled for ``plan.sampled[i]``, ready at
         ``time`` on the engine's clock.
 
         Advances every row's computed tokens (and counts the prefill ones), registers the blocks they
-        filled in the prefix cache, appends each token and its time, ends the sequences that reached
-        EOS or ``max_tokens``, and releases them. Returns one ``StepOutput`` per sampled sequence.
+        filled in the prefix cache, appends each token and its time, and ends the sequences that reached
+        EOS or ``max_tokens``. Returns the sequences it ended.
         """
         if len(tokens) != len(plan.sampled):
             raise ValueError(f"{len(tokens)} tokens for {len(plan.sampled)} sampled sequences")
@@ -160,41 +189,20 @@ class Scheduler:
             seq.num_computed += 1
         for seq in self.running:
             self.blocks.cache_full_blocks(seq)
-        outputs = []
+        ended = []
         for seq, token in zip(plan.sampled, tokens):
             seq.output_ids.append(token)
             seq.token_times.append(time)
-            if token == self.eos_token_id and not seq.request.ignore_eos:
-                self._finish(seq, "eos", time)
-            elif len(seq.output_ids) == seq.request.max_tokens:
-                self._finish(seq, "max_tokens", time)
-            outputs.append(StepOutput(seq.request.request_id, [token], seq.finished, seq.finish_reason, time))
-        return outputs
+            eos = token == self.config.eos_token_id and not seq.request.ignore_eos
+            if eos or len(seq.output_ids) == seq.request.max_tokens:
+                self.finish(seq, Status.FINISHED, "eos" if eos else "max_tokens", time)
+                ended.append(seq)
+        return ended
 
-    def abort(self, seq: Sequence, time: float) -> None:
-        """Take a waiting or running sequence out at ``time``, freeing its blocks at once."""
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        else:
-            self.running.remove(seq)
-            self.blocks.free(seq)
-            self._close_batch()
-        seq.status, seq.finish_reason, seq.finish_time = Status.ABORTED, "abort", time
-
-    def _finish(self, seq: Sequence, reason: str, time: float) -> None:
-        """Continuous: release a finished sequence's slot and blocks at once; static: at batch end."""
-        self.running.remove(seq)
-        seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, reason, time
-        if self.policy == "static":
-            self.padding.append(seq)
-        else:
-            self.blocks.free(seq)
-        self._close_batch()
-
-    def _chunk(self, seq: Sequence, budget: float) -> int:
+    def _chunk(self, seq: Sequence, budget: int) -> int:
         """Prefill tokens ``seq`` computes this step: what it has left, within the budget
         and the cap."""
-        cap = self.max_prefill_chunk or math.inf
+        cap = self.config.max_prefill_chunk or math.inf
         return int(min(seq.prefill_end - seq.num_computed, budget, cap))
 
     def _close_batch(self) -> None:

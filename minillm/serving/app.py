@@ -30,6 +30,7 @@ from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
 from ..engine import Engine, Request, TokenLogprob
+from ..request import RequestSummary
 from ..text.byte import ByteTokenizer
 from ..text.stream import TextStream
 from .loop import EngineLoop
@@ -227,11 +228,10 @@ class Frontend:
         """The engine's request, or ApiError(400) when the engine could never serve it."""
         request = Request(f"{shape.id_prefix}{uuid.uuid4().hex}", prompt_ids, max_tokens, sampling=body.sampling(),
                           ignore_eos=body.ignore_eos, seed=body.seed, logprobs=body.logprob_count)
-        reason = self.loop.engine.rejection(request)  # reads only constants (config, pool size): thread-safe
-        if reason is not None:
-            in_prompt = reason.startswith(("empty", "token id")) or len(prompt_ids) >= self.max_total
-            param = ("messages" if shape.chat else "prompt") if in_prompt else "max_tokens"
-            raise ApiError(400, f"this request can never be served: {reason}", param=param)
+        rejection = self.loop.engine.rejection(request)  # reads only constants (config, pool size): thread-safe
+        if rejection is not None:
+            param = ("messages" if shape.chat else "prompt") if rejection.field == "prompt" else "max_tokens"
+            raise ApiError(400, f"this request can never be served: {rejection.message}", param=param)
         return request
 
     def prepare(self, raw: bytes, shape: Shape) -> tuple[SamplingRequest, Request]:
@@ -314,7 +314,7 @@ class Frontend:
                 n_out += len(out.new_token_ids)
                 yield sse(self.envelope(shape, request.request_id, created, [choice], True, **null_usage))
                 if finish == "stop" and not out.finished:
-                    stream.close(stop=True)  # a stop string: the engine's request ends here, its blocks freed
+                    stream.close("stop")  # a stop string: the engine's request ends here, its blocks freed
                     break
             if body.include_usage:
                 yield sse(self.envelope(shape, request.request_id, created, [], True,
@@ -341,7 +341,7 @@ class Frontend:
                     text, stopped = stops.push("".join(text_stream.push(t) for t in out.new_token_ids))
                     stopped_text.append(text)
                     if stopped:
-                        stream.close(stop=True)
+                        stream.close("stop")
                         return outputs, True
             return outputs, False
 
@@ -376,14 +376,6 @@ class Frontend:
             (extra if shape.chat else choice)["prompt_token_ids"] = request.prompt_ids
         return JSONResponse(self.envelope(shape, request.request_id, int(time.time()), [choice], False,
                                           usage=usage(len(request.prompt_ids), len(ids)), **extra))
-
-
-def record_dict(record) -> dict:
-    """An engine ``RequestRecord`` as JSON (times: seconds on the engine's clock)."""
-    return {"id": record.request_id, "status": record.status, "reason": record.reason,
-            "prompt_tokens": record.prompt_len, "completion_tokens": len(record.output_ids),
-            "arrival_time": record.arrival_time, "token_times": record.token_times,
-            "finish_time": record.finish_time, "preemptions": record.preemptions}
 
 
 def create_app(tokenizer, engine: Engine, model_name: str, limits: ServerLimits = ServerLimits()) -> FastAPI:
@@ -471,8 +463,7 @@ def create_app(tokenizer, engine: Engine, model_name: str, limits: ServerLimits 
                     break
                 times += len(record.token_times)
                 newest_first.append(record)
-            rows = [record_dict(r) if token_times else record_dict(r) | {"token_times": None}
-                    for r in reversed(newest_first)]
+            rows = [RequestSummary.of(r).to_json(token_times) for r in reversed(newest_first)]
             end = offset + len(rows)
             return {"requests": rows, "total": total, "offset": offset, "next_offset": end if end < total else None}
 

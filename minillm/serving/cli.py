@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{model.device.type} memory; use a smaller --num-blocks", file=sys.stderr)
         return 2
     try:
-        engine = Engine.from_config(model, engine_settings)
+        engine = Engine(model, engine_settings)
     except (TypeError, ValueError) as error:
         print(f"python -m minillm serve: error: {error}", file=sys.stderr)
         return 2

@@ -14,26 +14,12 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from ..engine import Engine, Request, RequestRecord, Sequence, Status, StepOutput
+from ..engine import Engine, Request, RequestRecord, StepOutput
 
 log = logging.getLogger("minillm.serving")
 RECORDS_KEPT = 4096  # finished requests whose engine records the server keeps (oldest dropped first)
-
-
-@dataclass(frozen=True)
-class LoadStats:
-    """The engine's load after its latest step or command (what ``/health`` reports)."""
-
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    finished: int  # requests finished since the server started
-    aborted: int  # requests dropped because their client left
-    steps: int
-    failed: int = 0  # requests ended by an error: their own (a row that failed to sample) or a failed step
 
 
 @dataclass(frozen=True)
@@ -48,11 +34,11 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class AbortRequest:
-    """Drop a waiting or running request: its client left, or (``stop=True``) its text reached a stop string,
-    which ends it as finished (record reason "stop")."""
+    """End a waiting or running request: its client left (``reason`` "client"), or its text reached a stop
+    string ("stop", which the engine records as finished)."""
 
     request_id: str
-    stop: bool = False
+    reason: str = "client"
 
 
 @dataclass(frozen=True)
@@ -107,11 +93,11 @@ class RequestStream:
             self.done = True
             self.owner.in_flight -= 1
 
-    def close(self, stop: bool = False) -> None:
-        """End the request in the engine if it has not ended: its client left, or ``stop``: a stop string."""
+    def close(self, reason: str = "client") -> None:
+        """End the request in the engine if it has not ended: its client left, or ("stop") a stop string."""
         if not self.done:
             self._end()
-            self.owner.abort(self.request_id, stop)
+            self.owner.abort(self.request_id, reason)
 
 
 class EngineLoop:
@@ -121,12 +107,10 @@ class EngineLoop:
         self.engine = engine
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.streams: dict[str, RequestStream] = {}  # engine thread only
-        self.sequences: dict[str, Sequence] = {}  # engine thread only: request id -> the engine's Sequence
         self.records: deque[RequestRecord] = deque(maxlen=RECORDS_KEPT)
         self.records_lock = threading.Lock()
-        self.finished = self.aborted = self.steps = self.failed = 0
         self.in_flight = 0  # requests submitted and not yet ended (event loop only): the admission count
-        self.stats = self._snapshot()
+        self.stats = engine.load()  # after the latest step or command (what /health reports)
         self.thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
 
     def start(self) -> None:
@@ -144,8 +128,8 @@ class EngineLoop:
         self.commands.put(AddRequest(request, stream, received))
         return stream
 
-    def abort(self, request_id: str, stop: bool = False) -> None:
-        self.commands.put(AbortRequest(request_id, stop))
+    def abort(self, request_id: str, reason: str = "client") -> None:
+        self.commands.put(AbortRequest(request_id, reason))
 
     def fail_all(self, error: Exception) -> None:
         """End every request in flight with ``error`` (its stream gets it); later requests are served."""
@@ -177,9 +161,9 @@ class EngineLoop:
                 elif isinstance(command, FailAll):
                     self._abort_all(command.error)
                 else:
-                    self._abort(command.request_id, command.stop)
+                    self._abort(command.request_id, command.reason)
             outputs = self._step() if self.engine.has_unfinished() else []
-            self.stats = self._snapshot()
+            self.stats = self.engine.load()
             for out in outputs:
                 self.streams[out.request_id].put(out)
                 if out.finished:
@@ -196,57 +180,33 @@ class EngineLoop:
             stream.put(error)
             return
         self.streams[request.request_id] = stream
-        self.sequences[request.request_id] = self.engine.sequence(request.request_id)  # for its record at the end
 
-    def _abort(self, request_id: str, stop: bool = False) -> None:
-        if self.engine.abort(request_id):
+    def _abort(self, request_id: str, reason: str) -> None:
+        record = self.engine.abort(request_id, reason)
+        if record is not None:
             self.streams.pop(request_id, None)
-            record = self.sequences.pop(request_id).record()
-            if stop:  # a stop string ended it: finished, as far as its client and the records go
-                self.finished += 1
-                record = replace(record, status=Status.FINISHED, reason="stop")
-            else:
-                self.aborted += 1
             self._keep(record)
 
     def _step(self) -> list[StepOutput]:
         try:
-            outputs = self.engine.step()
-        except Exception as error:  # not attributable to one request: fail those in flight, keep serving
+            result = self.engine.step()
+        except Exception as error:  # fail the requests in flight, keep serving
             log.exception("engine step failed")
             self._abort_all(RuntimeError(f"engine step failed: {error!r}"))
             return []
-        self.steps += 1
-        for request_id, error in self.engine.last_failures.items():  # one request's own failure: it alone ends
-            log.error("request %s failed: %r", request_id, error)
-            self.failed += 1
-            self._keep(self.sequences.pop(request_id).record())
-            stream = self.streams.pop(request_id, None)
-            if stream is not None:
-                stream.put(RuntimeError(f"this request failed: {error!r}"))
-        for out in outputs:
-            if out.finished:
-                self.finished += 1
-                self._keep(self.sequences.pop(out.request_id).record())
-        return outputs
+        for record in result.ended:
+            self._keep(record)
+        return result.outputs
 
     def _abort_all(self, error: Exception) -> None:
-        """End every request in flight with ``error``: counted as failed, and recorded."""
+        """End every request in flight with ``error`` (the engine records them as failed)."""
         for request_id, stream in list(self.streams.items()):
-            if self.engine.abort(request_id):
-                self.failed += 1
-            seq = self.sequences.pop(request_id, None)
-            if seq is not None and seq.finished:
-                self._keep(replace(seq.record(), reason="error"))
+            record = self.engine.abort(request_id, "error")
+            if record is not None:
+                self._keep(record)
             stream.put(error)
         self.streams.clear()
 
     def _keep(self, record: RequestRecord) -> None:
         with self.records_lock:
             self.records.append(record)
-
-    def _snapshot(self) -> LoadStats:
-        load = self.engine.load()
-        return LoadStats(running=load.running, waiting=load.waiting, kv_blocks_used=load.blocks_used,
-                         kv_blocks_total=load.blocks_total, finished=self.finished, aborted=self.aborted,
-                         steps=self.steps, failed=self.failed)

@@ -1,13 +1,14 @@
-"""Synthetic serving workloads: arrival schedules and random requests (as vLLM's benchmark draws them)."""
+"""Synthetic serving workloads: arrival schedules and random requests (as vLLM's benchmark draws them). No
+tensors: the bench client draws the same workload for any server without loading the engine."""
 from __future__ import annotations
 
 import math
 import random
 from collections.abc import Sequence
 
+from ..request import Request
 from ..sampling import SamplingParams
 from ..validate import check_int, check_number, check_seed
-from .request import Request
 
 LENGTH_DISTS = ("uniform", "loguniform")
 

@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, tuple[list[str] | None, str]] = {
     "bench_generate.py": (None, "CPU only (the tiny model on the CPU against transformers)"),
     "bench_precision.py": (None, "CPU only (CPU kernels: int8pack, AVX-512 paths)"),
     "bench_peers.py": (None, "CPU only (llama.cpp on the CPU)"),
+    "bench_speculative.py": (None, "CPU only (the int4 block kernel drafts for the float32 target at one thread)"),
 }
 HEADLINE = re.compile(r"target|\bmet\b|FAIL|ratio|speed-?up", re.IGNORECASE)
 INCOMPLETE = "**Incomplete**: the run stopped before the entries below this point were measured."

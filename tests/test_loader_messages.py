@@ -174,7 +174,7 @@ def test_an_upper_case_gguf_suffix_loads(tmp_path):
 
 
 def test_an_eos_token_outside_the_vocabulary_is_refused_by_the_engine(tiny_model):
-    from minillm.engine import Engine
+    from minillm.engine import Engine, EngineConfig
 
     with pytest.raises(ValueError, match=r"eos_token_id=258 is outside the model's vocabulary \[0, 258\)"):
-        Engine(tiny_model, eos_token_id=258)
+        Engine(tiny_model, EngineConfig(eos_token_id=258))

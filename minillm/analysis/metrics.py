@@ -12,7 +12,8 @@ The definitions are those of vLLM's serving benchmark (``benchmark_serving.py`` 
 
 A request is any object with ``arrival_time`` and ``token_times`` (seconds, one time per output token,
 first included) and ``prompt_len``; :class:`RequestTiming` is the smallest such object. This module knows
-nothing of the engine. Percentiles interpolate linearly between order statistics (``numpy.percentile``).
+nothing of the engine. Percentiles interpolate linearly between order statistics (``numpy.percentile``); a
+percentile is a measurement only when the sample is large enough to bracket it (:func:`percentile_interval`).
 """
 from __future__ import annotations
 
@@ -123,6 +124,10 @@ class Summary:
             raise ValueError(f"percentile q={q} must be between 0 and 100")
         return float(np.percentile(self.values, q)) if self.n else None
 
+    def interval(self, q: float, confidence: float = 0.95) -> tuple[float, float] | None:
+        """The distribution-free interval of the q-th percentile (see :func:`percentile_interval`)."""
+        return percentile_interval(self.values, q, confidence)
+
     def ms(self, stat: str = "median") -> str:
         """One statistic formatted in milliseconds, or ``"n/a"`` when there are no values."""
         value = getattr(self, stat)
@@ -140,6 +145,47 @@ def summarize(values: Iterable[float]) -> Summary:
     arr = np.asarray(vals)
     p50, p90, p99 = (float(x) for x in np.percentile(arr, [50, 90, 99]))
     return Summary(len(vals), float(arr.mean()), p50, p90, p99, float(arr.max()), vals)
+
+
+def _interval_ranks(n: int, p: float, confidence: float) -> tuple[int, int] | None:
+    """1-based ranks (l, u) of the shortest-tailed order-statistic interval for the quantile ``p``: the number
+    of values below the true quantile is Binomial(n, p), and each tail outside [l, u) has probability at most
+    (1 - confidence) / 2. None when either rank would fall outside 1..n."""
+    tail = (1 - confidence) / 2
+    lo, hi, below = None, None, 0.0  # below: P(B <= k - 1), B ~ Binomial(n, p)
+    for k in range(1, n + 1):
+        below += math.exp(math.lgamma(n + 1) - math.lgamma(k) - math.lgamma(n - k + 2)
+                          + (k - 1) * math.log(p) + (n - k + 1) * math.log1p(-p))  # P(B = k - 1)
+        if below <= tail:
+            lo = k
+        if hi is None and below >= 1 - tail:
+            hi = k
+    return None if lo is None or hi is None else (lo, hi)
+
+
+def percentile_interval(values: Iterable[float], q: float,
+                        confidence: float = 0.95) -> tuple[float, float] | None:
+    """An interval that holds the true q-th percentile with at least ``confidence``, whatever the
+    distribution: two order statistics of the sample (the number of values below the true percentile is
+    binomial). ``None`` when the sample is too small for the interval to lie inside it; then the q-th
+    percentile of the sample is its minimum or maximum in disguise, not a measurement. See ``min_samples``."""
+    if not 0 < q < 100:
+        raise ValueError(f"percentile q={q} must be strictly between 0 and 100")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence} must be strictly between 0 and 1")
+    ordered = sorted(float(v) for v in values)
+    ranks = _interval_ranks(len(ordered), q / 100, confidence) if ordered else None
+    return None if ranks is None else (ordered[ranks[0] - 1], ordered[ranks[1] - 1])
+
+
+def min_samples(q: float, confidence: float = 0.95) -> int:
+    """The fewest values whose q-th percentile has a ``percentile_interval``: the smallest n with
+    max(p, 1 - p)^n <= (1 - confidence) / 2, p = q / 100 (p99: 368 values; p90: 36; the median: 6)."""
+    if not 0 < q < 100:
+        raise ValueError(f"percentile q={q} must be strictly between 0 and 100")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence={confidence} must be strictly between 0 and 1")
+    return math.ceil(math.log((1 - confidence) / 2) / math.log(max(q, 100 - q) / 100))
 
 
 @dataclass(frozen=True)
@@ -320,7 +366,7 @@ class SteadyWindow:
     """The part of a run between its start-up and its drain (seconds on the run's clock)."""
 
     start: float  # the first completion: before it the run was filling up
-    end: float  # the last arrival: after it the run only drains
+    end: float  # the last first token: after it no request waits or starts, and the batch only empties
     completions: int  # requests whose last token falls in (start, end]
     good: int | None = None  # of those, the ones that meet every objective of the SLO given
 
@@ -336,20 +382,23 @@ class SteadyWindow:
 
 
 def steady_window(requests: Sequence, slo: SLO | None = None) -> SteadyWindow:
-    """A run's steady window: from its first completion to its last arrival.
+    """A run's steady window: from its first completion to its last first token.
 
     A whole-run rate divides by a duration that includes the start-up (nothing has finished yet) and the
-    drain (nothing arrives any more, and the batch empties); inside this window neither happens. A run whose
-    last request arrives before its first one finishes has no steady window: a ValueError.
+    drain (nothing is left to start, and the batch empties); inside this window neither happens. Below
+    capacity the window ends one TTFT after the last arrival; past capacity it also holds the time the
+    queue took to empty, when the engine still ran full: that is where an overloaded run's completions
+    measure the engine, so a run of n requests holds about n of them, however short its arrivals were.
+    A run whose last request starts before its first one finishes has no steady window: a ValueError.
     """
     requests = list(requests)
     checked = [_times(r, i) for i, r in enumerate(requests)]
-    finishes = [times[-1] for _, times in checked if times]
-    if not finishes:
+    served = [times for _, times in checked if times]
+    if not served:
         raise ValueError(f"{len(checked)} request(s), none with a token: the run has no steady window")
-    start, end = min(finishes), max(arrival for arrival, _ in checked)
+    start, end = min(times[-1] for times in served), max(times[0] for times in served)
     if not end > start:
-        raise ValueError(f"the last arrival ({end} s) is not after the first completion ({start} s): "
+        raise ValueError(f"the last first token ({end} s) is not after the first completion ({start} s): "
                          "the run has no steady window; send more requests")
     inside = [r for r, (_, times) in zip(requests, checked) if times and start < times[-1] <= end]
     good = None if slo is None else sum(slo.met_by(r) for r in inside)

@@ -1,5 +1,5 @@
 """What a client asks for and what it leaves behind: a request, how it ended, its record, and the record as a
-server publishes it. No tensors here, so the workload generator and the bench client use it without the engine."""
+server publishes it. No tensors and no engine here: a load generator uses it as it is."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,5 +1,5 @@
 """Synthetic serving workloads: arrival schedules and random requests (as vLLM's benchmark draws them). No
-tensors: the bench client draws the same workload for any server without loading the engine."""
+tensors and no engine: a load generator draws the same workload for any server."""
 from __future__ import annotations
 
 import math

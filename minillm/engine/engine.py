@@ -14,7 +14,7 @@ from .config import EngineConfig, kv_tokens_needed
 from .model_runner import ModelRunner
 from .paged_cache import PagedKVPool
 from .request import Request, RequestRecord, Sequence, Status, StepOutput
-from .sampler import sample_rows, token_logprobs
+from .sampler import requested_logprobs, sample_rows
 from .scheduler import Scheduler, StepPlan
 
 __all__ = ["Engine", "EngineLoad", "Rejection", "RunResult", "StepRecord", "StepResult"]
@@ -66,7 +66,7 @@ class RunResult:
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """How busy the engine is now, and what it has done since it was made (a server's ``/health``)."""
+    """How busy the engine is now, and what it has done since it was made."""
 
     running: int  # requests admitted (holding a batch slot)
     waiting: int  # requests queued, not admitted
@@ -200,8 +200,7 @@ class Engine:
         n_waiting, blocks_used = len(self.scheduler.waiting), self.blocks.num_used
         logits = self.runner.run(plan)  # (len(plan.sampled), vocab)
         tokens = sample_rows(plan.sampled, logits)
-        logprobs = [None if s.request.logprobs is None else [token_logprobs(row, token, s.request.logprobs)]
-                    for s, row, token in zip(plan.sampled, logits, tokens)]
+        logprobs = requested_logprobs(plan.sampled, logits, tokens)
         end = self.clock()  # the tokens are ready: the step's end, read once
         ended = self.scheduler.postprocess(plan, tokens, end)
         outputs = [StepOutput(s.request.request_id, [token], s.finished, s.finish_reason, end, lp)

@@ -1,4 +1,5 @@
-"""A step's tokens from its logits: the greedy rows in one argmax, each other row with its own generator."""
+"""A step's tokens from its logits (the greedy rows in one argmax, each other row with its own generator), and
+the log-probs of the requests that ask."""
 from __future__ import annotations
 
 import torch
@@ -18,6 +19,14 @@ def sample_rows(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         if not seq.request.sampling.greedy:
             tokens[i] = sample(logits[i:i + 1], seq.request.sampling, seq.generator)[0]
     return tokens.tolist()
+
+
+def requested_logprobs(seqs: list[Sequence], logits: torch.Tensor,
+                       tokens: list[int]) -> list[list[TokenLogprob] | None]:
+    """Per row of ``logits`` (n, vocab): its token's ``TokenLogprob`` in a list if ``seqs[i]`` asks for log-probs
+    (``Request.logprobs``), else None."""
+    return [None if s.request.logprobs is None else [token_logprobs(row, token, s.request.logprobs)]
+            for s, row, token in zip(seqs, logits, tokens)]
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:

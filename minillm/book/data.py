@@ -1,4 +1,5 @@
-"""Data the chapters quote: an A100's datasheet figures, a benchmark run, the passage the precision chapter scores."""
+"""Data the chapters quote: an A100's datasheet figures, a benchmark run, the passage the precision chapter scores,
+the prompts of the speculative-decoding chapter."""
 
 A100_PEAK_FLOPS = 312e12  # FLOP/s: dense float16/bfloat16 on the tensor cores
 A100_BANDWIDTH = 2.039e12  # bytes/s: HBM2e
@@ -33,3 +34,13 @@ EVAL_TEXT = (
     "alone out there, because every light he saw on the horizon was someone who knew "
     "exactly where he was."
 )
+
+# Chapter 2.6 and benchmarks/bench_speculative.py: a chat prompt whose reply copies the prompt (prompt lookup finds
+# it) and one whose reply copies nothing.
+SPECULATIVE_PROMPTS = {
+    "edit": "Rename the variable x to total and n to count in this Python function, and show the whole "
+            "function:\n\ndef average_price(prices):\n    x = 0\n    n = 0\n    for price in prices:\n"
+            "        if price > 0:\n            x = x + price\n            n = n + 1\n    if n == 0:\n"
+            "        return 0\n    return x / n",
+    "explain": "Explain how a rainbow forms.",
+}

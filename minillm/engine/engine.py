@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from ..model import CausalLM
 from ..timing import now
 from ..validate import check_int, check_token_ids
 from .block_manager import BlockManager, blocks_for
@@ -105,7 +106,7 @@ class Engine:
     elapsed time + idle skipped, exactly what a sleeping engine would have read.
     """
 
-    def __init__(self, model, config: EngineConfig = EngineConfig()):  # noqa: B008 (frozen: one default is safe)
+    def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig()):  # noqa: B008 (frozen: one default is safe)
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         if config.eos_token_id is not None and config.eos_token_id >= model.config.vocab_size:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache import CacheView
+from ..model import CausalLM
 from .paged_cache import MixedStepView, PagedCacheView, PagedKVPool
 from .request import Sequence
 from .scheduler import StepPlan
@@ -43,7 +45,7 @@ class ModelRunner:
     and every position lies below the context (``Engine.max_total_tokens``).
     """
 
-    def __init__(self, model, pool: PagedKVPool):
+    def __init__(self, model: CausalLM, pool: PagedKVPool):
         self.model, self.pool = model, pool
 
     def run(self, plan: StepPlan) -> torch.Tensor:
@@ -61,7 +63,7 @@ class ModelRunner:
             offset += b.ids.numel()
         return self._call(ids, positions, cache)[0, rows]  # (n, vocab)
 
-    def _call(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    def _call(self, ids: torch.Tensor, positions: torch.Tensor, cache: CacheView) -> torch.Tensor:
         """ids, positions (B, T) -> logits (B, T, vocab), the cache written and advanced."""
         cache.begin(positions)
         logits = self.model.compute(ids, positions, cache)

@@ -20,7 +20,8 @@ STEP_ENDINGS = ("eos", "max_tokens")  # the endings a step's own token decides
 
 
 def may_admit(policy: str, preempted: bool, busy: bool) -> bool:
-    """Whether a step may admit waiting requests at all: the whole difference between the two policies.
+    """Whether a step may admit waiting requests at all: the admission difference between the two policies
+    (static batching also keeps finished rows as padding until its batch ends).
 
     ``busy``: something still holds a batch slot. Static batching admits only into an empty batch;
     continuous batching admits at every step, except one that had to preempt while others still run

@@ -116,15 +116,21 @@ def test_myst_only_markup_is_detected():
     assert len(hits) == 5 and not any(p.search("a plain `code` span and (a remark)=") for p in MYST_ONLY[:-2])
 
 
+LINK_TARGET = re.compile(r"\]\([^)\s]*\)")
+
+
 def _text_outputs(cell: dict) -> list[str]:
+    """The text a cell shows: its printed lines, and its Markdown as read (a link's address is not shown)."""
     texts = []
     for output in cell.get("outputs", []):
         if output["output_type"] == "stream":
             texts.append("".join(output["text"]))
         elif "data" in output:
-            for mime in ("text/plain", "text/markdown"):
-                if mime in output["data"] and not ("image/png" in output["data"] and mime == "text/plain"):
-                    texts.append("".join(output["data"][mime]))
+            data = output["data"]
+            if "text/markdown" in data:
+                texts.append(LINK_TARGET.sub("]", "".join(data["text/markdown"])))
+            elif "text/plain" in data and "image/png" not in data:
+                texts.append("".join(data["text/plain"]))
     return texts
 
 

@@ -7,6 +7,11 @@ the run. ``--compare`` also runs the naive path (the whole sequence recomputed e
 gives the same tokens. ``--precision {float32,bfloat16,int8,int4}`` picks the weights (``minillm.fast.quant.
 PRECISIONS``): int4 is the GGUF file's own 4-bit weights through the block kernel (or PyTorch's int4 kernel).
 
+``--speculative {int4,ngram}`` with ``--k K``: speculative decoding (``minillm.speculative``): the int4 weights or
+prompt lookup guess K tokens, the loaded model checks them in one call; the reply is streamed from it, then
+plain decode runs too, for its timings and (greedy) the same tokens, with the acceptance rate, the tokens per
+target call and the speed-up.
+
 ``--model tiny``: a small model with RANDOM weights (so the text is gibberish); it always runs both paths
 greedily, checks that they give the same tokens, and prints their timings side by side.
 
@@ -23,11 +28,21 @@ from typing import NamedTuple
 import torch
 
 from .analysis.metrics import RequestTiming, e2e_latency, tpot, ttft
-from .cli_common import add_model_args, check_model_args, int_range, load_or_exit, weights_name, weights_text
+from .cli_common import (
+    PRETRAINED,
+    add_model_args,
+    check_model_args,
+    int_range,
+    load_or_exit,
+    weights_name,
+    weights_text,
+)
 from .config import PRESETS
 from .fast.blockdot import BlockLinear
+from .fast.int4 import load_int4
 from .generate import TokenEvent, stream_generate
 from .sampling import SamplingParams
+from .speculative import PromptLookup, SpeculativeStats, speculative_generate
 from .text.byte import ByteTokenizer
 from .text.stream import TextStream
 from .timing import now
@@ -42,7 +57,9 @@ NEAR_TIE = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}  # l
 # forwards, 128 tokens) the top-2 gap moved by up to 0.36 (95th percentile 0.28): twice that.
 INT8_ACTIVATIONS_TIE = 0.75
 WARMUP_TOKENS = 8
-PATHS = {"naive": "naive  (recompute all every step)", "cached": "cached (KV cache: prefill, decode)"}
+PATHS = {"naive": "naive  (recompute all every step)", "cached": "cached (KV cache: prefill, decode)",
+         "speculative": "speculative (k guesses, 1 check)"}
+DRAFTS = {"int4": "the file's own int4 weights", "ngram": "prompt lookup"}
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -69,6 +86,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                         help="also run the naive path and check it gives the same tokens (tiny: always)")
     parser.add_argument("--preset", choices=BUILDABLE, default=None,
                         help="the tiny demo's model shape (default tiny; the LLaMA presets are too big to build)")
+    parser.add_argument("--speculative", choices=list(DRAFTS), default=None,
+                        help="speculative decoding (smollm2): the file's int4 weights or prompt lookup guess --k "
+                             "tokens, the model checks them in one call; also runs plain decode to compare")
+    parser.add_argument("--k", type=int_range(1), default=4, help="guesses per round with --speculative (default 4)")
     return parser, parser.parse_args(argv)
 
 
@@ -82,6 +103,8 @@ def check_args(args: argparse.Namespace) -> tuple[str, SamplingParams]:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
     check_model_args(args)
     if args.model == "tiny":
+        if args.speculative is not None:
+            raise ValueError("--speculative needs the trained model: use --model smollm2")
         if args.chat:
             raise ValueError("--chat needs a chat template: use --model smollm2 (the tiny model has none)")
         if not sampling.greedy:
@@ -90,6 +113,11 @@ def check_args(args: argparse.Namespace) -> tuple[str, SamplingParams]:
         return (EXAMPLE_PROMPT if prompt is None else prompt), sampling
     if args.preset is not None:
         raise ValueError(f"--preset {args.preset} picks the shape of --model tiny; smollm2's shape is fixed")
+    if args.speculative is not None and args.compare:
+        raise ValueError("give --compare or --speculative, not both (--speculative compares with plain decode)")
+    if args.speculative == "int4" and args.precision == "int4":
+        raise ValueError("--speculative int4 drafts with the int4 weights for a float32, bfloat16 or int8 model; "
+                         "the model is int4 already (drop --precision int4, or use --speculative ngram)")
     if args.compare and not sampling.greedy:
         raise ValueError(f"--compare checks token-for-token equality, which needs greedy decoding; got "
                          f"--temperature {args.temperature}")
@@ -132,6 +160,11 @@ def timed_run(model, prompt_ids: list[int], max_new_tokens: int, use_cache: bool
     """One run of ``stream_generate``, timed from the request to each token (minillm.analysis.metrics)."""
     start = now(model.device)
     events = stream_generate(model, prompt_ids, max_new_tokens, use_cache=use_cache, **generate_kwargs)
+    return timed_events(start, events, label, max_new_tokens, on_event)
+
+
+def timed_events(start: float, events, label: str, max_new_tokens: int, on_event=None) -> Run:
+    """Collect a run's TokenEvents and time them from ``start``, the request's arrival."""
     events = collect(events, label, max_new_tokens, on_event)
     timing = RequestTiming(arrival_time=start, token_times=[e.time for e in events])
     total = e2e_latency(timing)
@@ -149,7 +182,7 @@ def print_timings(runs: dict[str, Run]) -> None:
     for name, run in runs.items():
         tpot_text = f"{run.tpot * 1e3:.2f}" if run.tpot is not None else "n/a"
         print(f"{PATHS[name]:<36}{run.ttft * 1e3:>11.2f}{tpot_text:>11}{run.rate:>11.1f}{run.total:>11.3f}")
-    if len(runs) == 2:
+    if "naive" in runs:
         print(f"speedup of the cache (tokens/s, cached / naive): {runs['cached'].rate / runs['naive'].rate:.2f}x")
     n = len(runs["cached"].tokens)
     print(f"TTFT = first token - start of the request; TPOT = mean gap over the {n - 1} decode tokens; "
@@ -241,6 +274,8 @@ def run_smollm2(parser, args, prompt: str, sampling: SamplingParams) -> int:
     def show(event: TokenEvent) -> None:
         print(stream.push(event.token_id), end="", flush=True)
 
+    if args.speculative is not None:
+        return run_speculative(model, args, prompt_ids, stream, show, generate_kwargs, eos_name)
     paths = ["cached", "naive"] if args.compare else ["cached"]
     for name in paths:
         warm_up(model, prompt_ids, n_new, name == "cached")
@@ -255,6 +290,42 @@ def run_smollm2(parser, args, prompt: str, sampling: SamplingParams) -> int:
     if not args.compare:
         return 0
     return report_agreement(model, prompt_ids, runs["naive"].tokens, cached, weights_name(args))
+
+
+def run_speculative(model, args, prompt_ids: list[int], stream: TextStream, show, generate_kwargs: dict,
+                    eos_name: str) -> int:
+    """--speculative: the reply streamed from speculative decoding, then plain decode of the same prompt for
+    its timings; the acceptance figures and the speed-up; 1 if greedy tokens differ beyond a near tie."""
+    start = time.perf_counter()
+    draft = PromptLookup() if args.speculative == "ngram" else load_int4(PRETRAINED, model.device)[0]
+    n_new, stats, sampled = args.max_new_tokens, SpeculativeStats(), not generate_kwargs["sampling"].greedy
+
+    def speculative(tokens: int, on_event=None, stats: SpeculativeStats | None = None) -> Run:
+        begin = now(model.device)
+        events = speculative_generate(model, draft, prompt_ids, args.k, tokens, stats=stats, **generate_kwargs)
+        return timed_events(begin, events, "speculative", tokens, on_event)
+
+    warm_up(model, prompt_ids, n_new, True)
+    speculative(min(WARMUP_TOKENS, n_new))
+    print(f"(draft: {DRAFTS[args.speculative]}, ready in {time.perf_counter() - start:.1f} s; k = {args.k})")
+    spec = speculative(n_new, show, stats)
+    print(stream.flush())
+    stop = f"stopped at {eos_name}" if spec.tokens[-1] == generate_kwargs["eos_token_id"] else \
+        f"stopped at --max-new-tokens {n_new}"
+    print(f"--- end: {len(spec.tokens)} tokens, {stop} ---\n")
+    plain = timed_run(model, prompt_ids, n_new, True, "cached", **generate_kwargs)
+    print_timings({"cached": plain, "speculative": spec})
+    if spec.tpot is None or plain.tpot is None:
+        speed = "no decode step to compare (one token)"
+    else:
+        speed = f"{plain.tpot / spec.tpot:.2f}x plain decode (TPOT {plain.tpot * 1e3:.1f} -> {spec.tpot * 1e3:.1f} ms)"
+    print(f"speculative, {DRAFTS[args.speculative]} drafting k = {args.k}: acceptance rate {stats.acceptance_rate:.3f} "
+          f"({stats.accepted} of the {stats.judged} guesses the model judged), {stats.tokens_per_call:.2f} tokens "
+          f"per target call ({len(stats.rounds)} calls); speed-up {speed}")
+    if sampled:
+        print("sampled: speculative decoding keeps the model's distribution, not plain decode's draws")
+        return 0
+    return report_agreement(model, prompt_ids, plain.tokens, spec.tokens, weights_name(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -304,3 +304,33 @@ def test_smollm2_max_new_tokens_inside_a_run(smollm2):
     out = generate_speculative(target, drafts["int4"], prompts["story"], 8, 6, eos_token_id=eos, stats=stats)
     assert out == references["story"][:6]
     assert stats.rounds[0][0] == 4  # 6 tokens: the prefill's, then at most 4 guesses + the target's own
+
+
+# --- the demo's flags -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "tiny", "--speculative", "ngram"], "--speculative needs the trained model"),
+    (["--speculative", "int4", "--precision", "int4"], "the model is int4 already"),
+    (["--speculative", "ngram", "--compare"], "give --compare or --speculative"),
+    (["--speculative", "ngram", "--k", "0"], "argument --k: 0 must be >= 1"),
+])
+def test_demo_refuses_contradictory_speculative_flags(capsys, argv, message):
+    from minillm.demo import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["int4", "ngram"])
+def test_demo_speculative_prints_acceptance_and_speed_up(capsys, draft):
+    from minillm.demo import main
+
+    prompt = SMOL_PROMPTS["edit"]
+    assert main(["--speculative", draft, "--k", "4", "--chat", "--prompt", prompt, "--max-new-tokens", "12",
+                 "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "speculative (k guesses, 1 check)" in out and "cached (KV cache: prefill, decode)" in out
+    assert "drafting k = 4: acceptance rate" in out and "tokens per target call" in out
+    assert "x plain decode (TPOT" in out and "same tokens: yes, all 12 identical" in out

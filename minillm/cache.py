@@ -205,7 +205,8 @@ class KVCache(RowLengths):
         self._call = _Writes(positions, n_keys, shared, mask)
 
     def attend(self, layer, q, k, v, kernel: Kernel) -> torch.Tensor:
-        """Write this call's k, v (B, Hkv, T, D) at its positions, then attend over every key held so far."""
+        """Write this call's k, v (B, Hkv, T, D) at its positions, then attend over every key
+        held so far."""
         call = self._call
         K, V = self.k[layer], self.v[layer]  # (B, Hkv, max_len, D), index = position
         if call.shared is not None:  # every row writes the same positions
@@ -215,7 +216,7 @@ class KVCache(RowLengths):
             rows = torch.arange(k.shape[0], device=k.device)[:, None]  # (B, 1)
             K[rows, :, call.positions] = k.transpose(1, 2)  # (B, T, Hkv, D) written by index
             V[rows, :, call.positions] = v.transpose(1, 2)
-        # keys 0..n_keys-1; those past a row's own positions are stale, and its mask hides them
+        # keys 0..n_keys-1; those past a row's own positions are stale: its mask hides them
         return kernel(q, K[:, :, :call.n_keys], V[:, :, :call.n_keys], call.mask)
 
     def truncate(self, length: int | torch.Tensor) -> None:

@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from conftest import write_tiny_gguf
 from safetensors.torch import save_file
 
 from minillm import CausalLM, generate
@@ -157,10 +158,10 @@ def test_a_bad_config_json_names_the_file(tmp_path, model, content, error, words
 
 
 def test_a_truncated_gguf_names_the_file_and_says_it_may_be_truncated(tmp_path):
-    from minillm.checkpoints.pretrained import gguf_path
-
+    whole = tmp_path / "whole.gguf"
+    write_tiny_gguf(whole, {})
     truncated = tmp_path / "half.gguf"
-    truncated.write_bytes(gguf_path().read_bytes()[:50_000_000])
+    truncated.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
     with pytest.raises(ValueError, match=r"half\.gguf is not a readable GGUF file \(truncated or corrupt\?\)"):
         read_gguf(truncated)
 

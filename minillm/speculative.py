@@ -32,37 +32,45 @@ from .validate import check_int, check_lengths
 # --- the acceptance step ------------------------------------------------------------------------------
 
 def accept_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> list[int]:
-    """The tokens a greedy round emits: the drafts while each is the target's argmax, then the target's own.
+    """The tokens a greedy round emits: the guesses while each is the target's argmax,
+    then the target's own.
 
-    draft_tokens: k guesses; target_logits (k + 1, V): row i is the target's next-token logits after the
-    committed text + the first i guesses. Returns the n accepted guesses + 1 token (n in 0..k): the argmax
-    of row n, a correction when guess n + 1 was wrong, a bonus when all k were right.
+    draft_tokens: k guesses; target_logits (k + 1, V): row i is the target's next-token
+    logits after the committed text + the first i guesses. Returns the n accepted
+    guesses + 1 token (n in 0..k): the argmax of row n, a correction when guess n + 1
+    was wrong, a bonus when all k were right.
     """
-    best = target_logits.argmax(-1).tolist()  # (k + 1,) the target's own greedy choices
+    best = target_logits.argmax(-1).tolist()  # (k + 1,) the target's own choices
     n = 0
     while n < len(draft_tokens) and draft_tokens[n] == best[n]:
         n += 1
     return draft_tokens[:n] + [best[n]]
 
 
-def accept_sampled(draft_tokens: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
+def accept_sampled(draft_tokens: list[int], draft_probs: torch.Tensor,
+                   target_probs: torch.Tensor,
                    generator: torch.Generator | None = None) -> list[int]:
-    """The tokens a sampled round emits, distributed exactly as the target would sample them one by one.
+    """The tokens a sampled round emits, distributed exactly as the target would sample
+    them one by one.
 
-    draft_probs (k, V): q, the distribution each guess was drawn from; target_probs (k + 1, V): p, the
-    target's. Guess i is accepted with probability min(1, p_i(x) / q_i(x)); at the first rejection the
-    round ends with a draw from norm(max(0, p_i - q_i)), the mass where the target wants more than the draft
-    gave; after k acceptances it ends with a bonus draw from p_k.
+    draft_probs (k, V): q, the distribution each guess was drawn from; target_probs
+    (k + 1, V): p, the target's. Guess i is accepted with probability
+    min(1, p_i(x) / q_i(x)); at the first rejection the round ends with a draw from
+    norm(max(0, p_i - q_i)), the mass where the target wants more than the draft gave;
+    after k acceptances it ends with a bonus draw from p_k.
     """
     for i, token in enumerate(draft_tokens):
         p, q = target_probs[i], draft_probs[i]  # (V,), (V,)
-        if torch.rand((), device=p.device, generator=generator) * q[token] < p[token]:  # u < p / q
+        u = torch.rand((), device=p.device, generator=generator)
+        if u * q[token] < p[token]:  # u < p / q: accepted
             continue
-        residual = (p - q).clamp(min=0)  # (V,): zero wherever the draft already gave enough
-        if residual.sum() <= 0:  # p == q to rounding: nothing is missing, the target's own p is the answer
+        residual = (p - q).clamp(min=0)  # (V,): 0 wherever the draft gave enough
+        if residual.sum() <= 0:  # p == q up to rounding: nothing is missing
             residual = p
-        return draft_tokens[:i] + [int(torch.multinomial(residual, 1, generator=generator))]
-    return draft_tokens + [int(torch.multinomial(target_probs[-1], 1, generator=generator))]
+        token = int(torch.multinomial(residual, 1, generator=generator))
+        return draft_tokens[:i] + [token]  # the accepted guesses + the correction
+    bonus = int(torch.multinomial(target_probs[-1], 1, generator=generator))
+    return draft_tokens + [bonus]
 
 
 def accept_round(guesses: list[int], draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
@@ -156,10 +164,12 @@ class PromptLookup:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def lookup(self, context: list[int], k: int) -> list[int]:
-        """The up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        """Up to k tokens: those that followed the latest earlier occurrence of the
+        longest suffix of ``context`` that occurs earlier (``max_ngram`` .. ``min_ngram``
+        tokens long); none when no suffix does."""
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
             suffix = context[-n:]
-            for start in range(len(context) - n - 1, -1, -1):  # latest first, the suffix itself excluded
+            for start in range(len(context) - n - 1, -1, -1):  # latest first
                 if context[start:start + n] == suffix:
                     return context[start + n:start + n + k]
         return []

@@ -12,10 +12,10 @@ import uvicorn
 
 from minillm.analysis.metrics import SLO, e2e_latency, itls, tpot, ttft
 from minillm.analysis.workload import poisson_arrivals, random_requests
-from minillm.engine import Engine, Request, RequestRecord, Status
+from minillm.engine import Engine, EngineConfig, Request, RequestRecord, Status
 from minillm.sampling import SamplingParams
 from minillm.serving import bench as bench_client
-from minillm.serving.app import RECORDS_PAGE_MAX, create_app
+from minillm.serving.app import create_app
 from minillm.serving.bench import (
     StreamError,
     compare_with_engine,
@@ -27,6 +27,7 @@ from minillm.serving.bench import (
     sse_lines,
 )
 from minillm.serving.launch import free_port
+from minillm.serving.records import PAGE_DEFAULT
 from minillm.text.byte import ByteTokenizer
 
 pytestmark = pytest.mark.slow  # starts a server
@@ -518,11 +519,12 @@ def test_output_tokens_can_be_counted_from_usage():
 def test_engine_records_are_read_from_every_page(tiny_model):
     """More records than one page of ``/minillm/requests`` (the real endpoint, on a thread of this process):
     every finished one is read, the aborted ones left out."""
-    app = create_app(ByteTokenizer(), Engine(tiny_model, num_blocks=4), "tiny")
-    n = 2 * RECORDS_PAGE_MAX + 500
-    app.state.engine_loop.records.extend(
-        RequestRecord(f"cmpl-{i}", Status.ABORTED if i % 7 == 0 else Status.FINISHED, "max_tokens", 3, [1, 2],
-                      float(i), [i + 0.25, i + 0.5], i + 0.5, 0) for i in range(n))
+    app = create_app(ByteTokenizer(), Engine(tiny_model, EngineConfig(num_blocks=4)), "tiny")
+    n = 2 * PAGE_DEFAULT + 50
+    for i in range(n):
+        app.state.engine_loop.records.keep(
+            RequestRecord(f"cmpl-{i}", Status.ABORTED if i % 7 == 0 else Status.FINISHED, "max_tokens", 3, [1, 2],
+                          float(i), [i + 0.25, i + 0.5], i + 0.5, 0))
     port = free_port()
     http_server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=http_server.run, daemon=True)

@@ -8,13 +8,23 @@ import math
 import openai
 import pytest
 import torch
+from fastapi.exceptions import RequestValidationError
 from starlette.testclient import TestClient
 
 from minillm import ByteTokenizer, generate
-from minillm.engine import Engine, Request, TokenLogprob
+from minillm.engine import Engine, EngineConfig, Request, StepOutput, TokenLogprob
 from minillm.sampling import SamplingParams
-from minillm.serving.app import chat_prompt_ids, create_app, token_label
-from minillm.serving.protocol import NO_LOGPROB, ApiError, ChatCompletionRequest, CompletionRequest, Shape, parse_body
+from minillm.serving.app import create_app
+from minillm.serving.output import OutputProcessor, token_label
+from minillm.serving.prepare import chat_prompt_ids
+from minillm.serving.protocol import (
+    NO_LOGPROB,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EndpointFormat,
+    parse_body,
+    request_error,
+)
 
 TOL = 1e-4  # paged attention against a plain forward pass: float32 rounding only
 MESSAGES = [{"role": "user", "content": "Hello"}]
@@ -24,8 +34,8 @@ MESSAGES = [{"role": "user", "content": "Hello"}]
 def client(tiny_model):
     """The app in this process (its engine thread starts with the client), over the tiny model."""
     tokenizer = ByteTokenizer()
-    engine = Engine(tiny_model, max_batch_size=4, num_blocks=24, eos_token_id=tokenizer.eos_token_id)
-    with TestClient(create_app(tokenizer, engine, "tiny")) as test_client:
+    engine = Engine(tiny_model, EngineConfig(max_batch_size=4, num_blocks=24, eos_token_id=tokenizer.eos_token_id))
+    with TestClient(create_app(tokenizer, engine, "tiny"), base_url="http://localhost") as test_client:
         yield test_client
 
 
@@ -35,6 +45,11 @@ def reference(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1:]  # (n, V)
     return tokens, torch.log_softmax(logits.float(), dim=-1)
+
+
+def label(tokenizer, token_id: int) -> str:
+    """A token's label as the server sends it: its text, or its bytes where they are part of a character."""
+    return token_label(tokenizer, token_id, 0.0).text
 
 
 def post(client, path: str, body: dict):
@@ -60,14 +75,14 @@ def test_greedy_completion_logprobs_are_log_softmax_of_the_models_logits(client,
                                               "return_token_ids": True})["choices"][0]
     assert choice["token_ids"] == tokens
     got = choice["logprobs"]
-    assert got["tokens"] == [token_label(tokenizer, t)[0] for t in tokens]
+    assert got["tokens"] == [label(tokenizer, t) for t in tokens]
     assert got["token_logprobs"] == pytest.approx([float(logprobs[i, t]) for i, t in enumerate(tokens)], abs=TOL)
     for i, (top, token) in enumerate(zip(got["top_logprobs"], tokens)):
         best = torch.topk(logprobs[i], 5)
-        assert list(top) == [token_label(tokenizer, t)[0] for t in best.indices.tolist()]  # most likely first
+        assert list(top) == [label(tokenizer, t) for t in best.indices.tolist()]  # most likely first
         assert list(top.values()) == pytest.approx(best.values.tolist(), abs=TOL)
         assert list(top.values()) == sorted(top.values(), reverse=True)
-        assert next(iter(top)) == token_label(tokenizer, token)[0]  # greedy: the chosen token leads
+        assert next(iter(top)) == label(tokenizer, token)  # greedy: the chosen token leads
     text, offsets = choice["text"], got["text_offset"]  # token i's text: text[offsets[i]:offsets[i + 1]]
     assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(text)
     for i, (end, token) in enumerate(zip(offsets[1:] + [len(text)], tokens)):
@@ -88,7 +103,7 @@ def test_greedy_chat_logprobs_hold_each_token_its_bytes_and_the_top_k(client, ti
     for i, entry in enumerate(content):
         top = entry["top_logprobs"]
         best = torch.topk(logprobs[i], 3).indices.tolist()
-        assert [e["bytes"] for e in top] == [list(token_label(tokenizer, t)[1]) for t in best]
+        assert [e["bytes"] for e in top] == [list(tokenizer.token_bytes(t)) for t in best]
         assert [e["logprob"] for e in top] == sorted((e["logprob"] for e in top), reverse=True)
         assert (top[0]["token"], top[0]["logprob"]) == (entry["token"], entry["logprob"])  # greedy
 
@@ -173,25 +188,27 @@ def test_the_parsed_request_asks_the_engine_for_what_the_client_asked():
     assert count(chat, ChatCompletionRequest) is None
     assert count(chat | {"logprobs": True}, ChatCompletionRequest) == 0
     assert count(chat | {"logprobs": True, "top_logprobs": 20}, ChatCompletionRequest) == 20
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(RequestValidationError) as info:
         parse_body(json.dumps({"model": "t", "prompt": "x", "logprobs": 6}).encode(), CompletionRequest)
-    assert (info.value.status, info.value.param) == (400, "logprobs")
+    error = request_error(info.value.errors())
+    assert (error.status, error.param) == (400, "logprobs")
 
 
 def test_a_log_prob_json_cannot_carry_is_sent_as_openais_minus_9999(tokenizer):
-    tokens = [TokenLogprob(65, float("-inf"), [(66, -0.5), (65, float("-inf")), (67, float("nan"))])]
-    label = lambda token_id: token_label(tokenizer, token_id)  # noqa: E731
-    completion = Shape(chat=False).logprobs(tokens, [0], label)
+    logprob = TokenLogprob(65, float("-inf"), [(66, -0.5), (65, float("-inf")), (67, float("nan"))])
+    out = StepOutput("r", [65], False, None, 0.0, [logprob])
+    tokens = OutputProcessor(tokenizer, []).process(out).logprobs
+    completion = EndpointFormat(chat=False).logprobs(tokens)
     assert completion == {"tokens": ["A"], "token_logprobs": [NO_LOGPROB], "text_offset": [0],
                           "top_logprobs": [{"B": -0.5, "A": NO_LOGPROB, "C": NO_LOGPROB}]}
-    chat = Shape(chat=True).logprobs(tokens, [0], label)["content"][0]
+    chat = EndpointFormat(chat=True).logprobs(tokens)["content"][0]
     assert (chat["token"], chat["logprob"], chat["bytes"]) == ("A", NO_LOGPROB, [65])
     assert [e["logprob"] for e in chat["top_logprobs"]] == [-0.5, NO_LOGPROB, NO_LOGPROB]
     assert json.loads(json.dumps(completion, allow_nan=False)) == completion
 
 
 def test_the_openai_sdk_reads_both_shapes(client, tiny_model, tokenizer):
-    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+    sdk = openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=client, max_retries=0)
     prompt = tokenizer.encode("Once")
     tokens, logprobs = reference(tiny_model, prompt, 4)
     completion = sdk.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=2,
@@ -208,12 +225,12 @@ def test_the_openai_sdk_reads_both_shapes(client, tiny_model, tokenizer):
 def test_the_engine_computes_logprobs_only_for_the_requests_that_ask(tiny_model):
     prompt = [5, 6, 7]
     tokens, logprobs = reference(tiny_model, prompt, 5)
-    engine = Engine(tiny_model, max_batch_size=2)
+    engine = Engine(tiny_model, EngineConfig(max_batch_size=2))
     engine.add_request(Request("asks", prompt, 5, logprobs=3))
     engine.add_request(Request("plain", prompt, 5))
     outputs = {"asks": [], "plain": []}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().outputs:
             outputs[out.request_id].append(out)
     assert all(out.logprobs is None for out in outputs["plain"])
     entries = [lp for out in outputs["asks"] for lp in out.logprobs]

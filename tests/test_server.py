@@ -11,7 +11,7 @@ import pytest
 from conftest import SERVER_BLOCK_SIZE, SERVER_NUM_BLOCKS, TIMEOUT, wait_until_idle
 
 from minillm import ByteTokenizer, generate
-from minillm.serving.app import chat_prompt_ids
+from minillm.serving.prepare import chat_prompt_ids
 
 pytestmark = pytest.mark.slow  # starts a server
 
@@ -191,8 +191,8 @@ def test_a_client_that_leaves_a_whole_response_frees_its_blocks(server):
 def test_bad_server_arguments_exit_with_status_2(capsys):
     from minillm.serving.cli import main
 
-    for argv, words in ((["--threads", "0"], "--threads 0 must be >= 1"),
-                        (["--port", "70000"], "--port 70000 must be >= 0 and <= 65535")):
+    for argv, words in ((["--threads", "0"], "argument --threads: 0 must be >= 1"),
+                        (["--port", "70000"], "argument --port: 70000 must be >= 0 and <= 65535")):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2 and words in capsys.readouterr().err
@@ -203,25 +203,25 @@ def test_bad_server_arguments_exit_with_status_2(capsys):
 def test_the_frontend_asks_the_engine_what_fits_the_pool(tiny_model, tokenizer):
     """One rule for "does this request fit": ``Engine.max_total_tokens``, which ``rejection`` applies and the
     frontend reads (it used to recompute the pool's capacity itself)."""
-    from minillm.engine import Engine, Request
-    from minillm.serving.app import Frontend
-    from minillm.serving.loop import EngineLoop
+    from minillm.engine import Engine, EngineConfig, Request
+    from minillm.serving.limits import ServerLimits
+    from minillm.serving.prepare import Prepare
 
-    engine = Engine(tiny_model, num_blocks=SERVER_NUM_BLOCKS, block_size=SERVER_BLOCK_SIZE)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=SERVER_NUM_BLOCKS, block_size=SERVER_BLOCK_SIZE))
     assert engine.max_total_tokens == MAX_TOTAL
-    assert Frontend(tokenizer, EngineLoop(engine), "tiny").max_total == engine.max_total_tokens
+    assert Prepare(tokenizer, engine, "tiny", ServerLimits()).max_total == engine.max_total_tokens
     assert engine.rejection(Request(0, [1] * 10, MAX_TOTAL - 10)) is None
-    assert "more than the whole pool" in engine.rejection(Request(0, [1] * 10, MAX_TOTAL - 9))
+    assert "more than the whole pool" in engine.rejection(Request(0, [1] * 10, MAX_TOTAL - 9)).message
 
 
 def test_the_servers_default_pool_is_the_engines(tiny_model):
     """The default KV pool size is decided once, by the engine: the server's arguments without --num-blocks
     give the pool ``Engine`` gives by default."""
-    from minillm.engine import Engine
+    from minillm.engine import Engine, EngineConfig
     from minillm.serving.cli import engine_config, parse_args
 
     config = engine_config(parse_args(["--model", "tiny", "--max-batch-size", "3"]), EOS)
     assert config.num_blocks is None and config.eos_token_id == EOS
-    served = Engine.from_config(tiny_model, config)
-    assert served.blocks.num_blocks == Engine(tiny_model, max_batch_size=3).blocks.num_blocks
+    served = Engine(tiny_model, config)
+    assert served.blocks.num_blocks == Engine(tiny_model, EngineConfig(max_batch_size=3)).blocks.num_blocks
     assert served.blocks.num_blocks == config.pool_blocks(tiny_model.config.max_seq_len)

@@ -1,8 +1,8 @@
-"""What one client may cost the server, and how it ends (issue 20; reviews/reliability-security.md, D1, D3, D7, D8,
-D9, D12, D13): a failure that belongs to one request ends it alone, a body limit, prompts refused by their length
-before they are tokenized, tokenizing off the event loop, bounded pages of records, bounded chat templates, stop
-strings, a bounded waiting queue (429 + Retry-After), header and body timeouts, a graceful SIGTERM, clear exit
-codes for a port in use and a pool that cannot be allocated.
+"""What one client may cost the server, and how it ends: a failed step ends the requests in flight and the server
+goes on, a body limit, prompts refused by their length before they are tokenized, tokenizing off the event loop,
+bounded pages and a bounded ring of records, bounded chat templates, stop strings, a bounded waiting queue (429 +
+Retry-After), header and body timeouts, a graceful SIGTERM, clear exit codes for a port in use and a pool that
+cannot be allocated.
 
 Every server here is the tiny model on 127.0.0.1; traffic is bounded in count and time."""
 from __future__ import annotations
@@ -23,32 +23,20 @@ import torch
 from conftest import TIMEOUT, wait_until_idle
 
 from minillm import ByteTokenizer, generate
-from minillm.engine import Engine, Request
-from minillm.sampling import SamplingParams
+from minillm.engine import Engine, EngineConfig, Request, RequestRecord, Status
 from minillm.serving import launch_server
-from minillm.serving.app import Frontend, create_app
+from minillm.serving.app import create_app
 from minillm.serving.launch import free_port
+from minillm.serving.limits import Admission, ServerLimits
 from minillm.serving.loop import EngineLoop
-from minillm.serving.protocol import ApiError, CompletionRequest, parse_body
+from minillm.serving.output import OutputProcessor
+from minillm.serving.prepare import Prepare
+from minillm.serving.protocol import ApiError
+from minillm.serving.records import PAGE_TOKEN_TIMES, Records
 
 pytestmark = pytest.mark.slow  # starts servers
 
 HEADERS = {"Content-Type": "application/json"}
-POISON_TOP_K = 7  # a request sampled with this top_k fails in the patched sampler below
-
-
-def poison_sampling(monkeypatch) -> None:
-    """Make sampling fail for one request's row (as a bug in sampling one request's parameters would)."""
-    import minillm.engine.engine as engine_module
-
-    real = engine_module.sample
-
-    def sample(logits, params, generator=None):
-        if params.top_k == POISON_TOP_K:
-            raise RuntimeError("poisoned row")
-        return real(logits, params, generator)
-
-    monkeypatch.setattr(engine_module, "sample", sample)
 
 
 async def drain(stream) -> list:
@@ -58,39 +46,20 @@ async def drain(stream) -> list:
 def run_on_loop(loop: EngineLoop, requests: list[Request]) -> list:
     """Submit every request at once; per request, its token ids or the exception that ended it."""
     async def main():
-        streams = [loop.submit(r, time.perf_counter()) for r in requests]
+        admission = Admission(len(requests), 1)
+        streams = [loop.submit(r, OutputProcessor(ByteTokenizer(), []), admission.admit(), time.perf_counter())
+                   for r in requests]
         results = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams), return_exceptions=True),
                                          TIMEOUT)
-        return [r if isinstance(r, BaseException) else [t for out in r for t in out.new_token_ids] for r in results]
+        assert admission.in_flight == 0  # every slot given back once the engine ended its request
+        return [r if isinstance(r, BaseException) else [t for out in r for t in out.token_ids] for r in results]
 
     return asyncio.run(main())
 
 
-# ---- item 1 (D1, D11): a failure that belongs to one request ends it alone --------------------------------------
-def test_a_row_that_fails_to_sample_ends_its_request_alone(tiny_model, monkeypatch):
-    poison_sampling(monkeypatch)
-    loop = EngineLoop(Engine(tiny_model, num_blocks=32, block_size=16))
-    loop.start()
-    try:
-        good = [Request(f"good{i}", [5 + i, 6, 7], 12, ignore_eos=True) for i in range(2)]
-        bad = Request("bad", [9, 9], 12, sampling=SamplingParams(temperature=1.0, top_k=POISON_TOP_K))
-        results = run_on_loop(loop, [good[0], bad, good[1]])
-        assert isinstance(results[1], RuntimeError) and "poisoned row" in str(results[1])
-        for request, got in zip(good, (results[0], results[2])):
-            assert got == generate(tiny_model, request.prompt_ids, 12)
-        deadline = time.monotonic() + TIMEOUT
-        while loop.stats.running + loop.stats.waiting and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert loop.stats.failed == 1 and loop.stats.finished == 2 and loop.stats.kv_blocks_used == 0
-        kept = {r.request_id: r for r in loop.records}
-        assert kept["bad"].reason == "error" and kept["good0"].status == "finished"
-        assert loop.engine.load().blocks_used == 0
-    finally:
-        loop.stop()
-
-
+# ---- a failure: the requests in flight end with an error, the server keeps serving ----------------------------
 def test_a_step_that_fails_as_a_whole_fails_the_batch_and_is_counted(tiny_model, monkeypatch):
-    engine = Engine(tiny_model, num_blocks=32, block_size=16)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=32, block_size=16))
     real_run, calls = engine.runner.run, []
 
     def run(plan):
@@ -109,7 +78,7 @@ def test_a_step_that_fails_as_a_whole_fails_the_batch_and_is_counted(tiny_model,
         while loop.stats.running + loop.stats.waiting and time.monotonic() < deadline:
             time.sleep(0.01)  # the stats are taken after the step's streams have their errors
         assert loop.stats.failed == 3  # counted in /health
-        assert {r.request_id for r in loop.records} == {"r0", "r1", "r2"}  # and recorded
+        assert {r.request_id for r in loop.records.rows} == {"r0", "r1", "r2"}  # and recorded
         after = run_on_loop(loop, [Request("next", [5, 6], 4, ignore_eos=True)])  # the server keeps serving
         assert after == [generate(tiny_model, [5, 6], 4)]
     finally:
@@ -117,17 +86,12 @@ def test_a_step_that_fails_as_a_whole_fails_the_batch_and_is_counted(tiny_model,
 
 
 @contextlib.contextmanager
-def inprocess_server(engine: Engine, **limits):
+def inprocess_server(engine: Engine, tokenizer=None, **limits):
     """create_app over ``engine``, served by uvicorn on a thread of this process (so that a test can patch
-    the engine); its base URL."""
+    the engine); its base URL and the app."""
     import uvicorn
 
-    try:
-        from minillm.serving.app import ServerLimits
-    except ImportError:  # the code before issue 20 (to see these tests fail there): no limits at all
-        app = create_app(ByteTokenizer(), engine, "tiny")
-    else:
-        app = create_app(ByteTokenizer(), engine, "tiny", ServerLimits(**limits))
+    app = create_app(tokenizer or ByteTokenizer(), engine, "tiny", ServerLimits(**limits))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
@@ -147,37 +111,7 @@ def sse_lines(response) -> list[str]:
     return [line for line in response.iter_lines() if line.startswith("data: ")]
 
 
-def test_over_http_the_failing_request_gets_an_error_event_and_the_others_finish(tiny_model, monkeypatch):
-    poison_sampling(monkeypatch)
-    with inprocess_server(Engine(tiny_model, num_blocks=32, block_size=16)) as (base, _):
-        finishes, errors = [], []
-
-        def stream(top_k: int):
-            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True,
-                    "temperature": 1.0, "top_k": top_k, "seed": 1}
-            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=TIMEOUT) as response:
-                lines = sse_lines(response)
-            assert lines[-1] == "data: [DONE]"
-            for line in lines[:-1]:
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    errors.append(chunk["error"]["message"])
-                else:
-                    finishes.append(chunk["choices"][0]["finish_reason"])
-
-        threads = [threading.Thread(target=stream, args=(k,)) for k in (0, 50)]
-        for t in threads:
-            t.start()
-        time.sleep(0.3)
-        stream(POISON_TOP_K)
-        for t in threads:
-            t.join(TIMEOUT)
-        assert finishes.count("length") == 2 and len(errors) == 1 and "poisoned row" in errors[0]
-        health = httpx.get(f"{base}/health", timeout=TIMEOUT).json()
-        assert health["failed"] == 1
-
-
-# ---- item 2 (D3): a body limit, tokenizing off the event loop, over-long prompts refused first -----------------
+# ---- a body limit, tokenizing off the event loop, over-long prompts refused first ------------------------------
 @pytest.fixture(scope="module")
 def limited():
     args = ["--model", "tiny", "--device", "cpu", "--threads", "1", "--max-batch-size", "1", "--max-waiting", "1",
@@ -211,21 +145,20 @@ class NoEncoding(ByteTokenizer):
 
 
 def test_an_over_long_prompt_is_refused_before_it_is_tokenized(tiny_model):
-    engine = Engine(tiny_model, num_blocks=8, block_size=16)  # at most 129 tokens
-    frontend = Frontend(NoEncoding(), EngineLoop(engine), "tiny")
-    body = parse_body(json.dumps({"model": "tiny", "prompt": "z" * 130}).encode(), CompletionRequest)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=8, block_size=16))  # at most 129 tokens
+    prepare = Prepare(NoEncoding(), engine, "tiny", ServerLimits())
     with pytest.raises(ApiError) as info:
-        frontend.completion_prompt(body)
+        prepare(json.dumps({"model": "tiny", "prompt": "z" * 130}).encode(), chat=False)
     assert (info.value.status, info.value.param) == (400, "prompt") and "before tokenizing" in info.value.message
-    ids = parse_body(json.dumps({"model": "tiny", "prompt": [5] * 129}).encode(), CompletionRequest)
     with pytest.raises(ApiError) as info:
-        frontend.completion_prompt(ids)
+        prepare(json.dumps({"model": "tiny", "prompt": [5] * 129}).encode(), chat=False)
     assert info.value.param == "prompt" and "no room for a reply" in info.value.message
 
 
 def test_a_big_prompt_does_not_freeze_health_or_the_streams(tiny_model):
     """20 MB of prompt text: refused quickly (400 naming the prompt), while /health keeps answering."""
-    with inprocess_server(Engine(tiny_model, num_blocks=32, block_size=16), max_body_bytes=64 * 2**20) as (base, _):
+    engine = Engine(tiny_model, EngineConfig(num_blocks=32, block_size=16))
+    with inprocess_server(engine, max_body_bytes=64 * 2**20, max_transit_bytes=64 * 2**20) as (base, _):
         worst, done = [0.0], threading.Event()
 
         def ping():
@@ -251,7 +184,7 @@ def test_a_big_prompt_does_not_freeze_health_or_the_streams(tiny_model):
         assert worst[0] < 1.0, f"/health waited {worst[0]:.2f} s during the big request ({took:.2f} s)"
 
 
-# ---- item 3 (D7): /minillm/requests is paged and bounded ---------------------------------------------------------
+# ---- /minillm/requests is paged, and its records bounded ---------------------------------------------------------
 def test_the_records_are_paged(limited):
     for _ in range(5):
         assert httpx.post(f"{limited.url}/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2,
@@ -269,26 +202,39 @@ def test_the_records_are_paged(limited):
         assert response.status_code == 400 and response.json()["error"]["param"] in params
 
 
+def long_record(i: int, tokens: int = 2047) -> RequestRecord:
+    return RequestRecord(f"r{i}", Status.FINISHED, "max_tokens", 1, [5] * tokens, 0.0,
+                         [0.001 * t for t in range(tokens)], 2.0, 0)
+
+
 def test_a_full_ring_of_long_records_gives_a_bounded_page(tiny_model):
     from starlette.testclient import TestClient
 
-    from minillm.engine import RequestRecord
-
-    app = create_app(ByteTokenizer(), Engine(tiny_model, num_blocks=8, block_size=16), "tiny")
-    loop = app.state.engine_loop
-    times = [0.001 * i for i in range(2047)]
-    for i in range(1000):  # the engine thread is not started: the records are filled by hand
-        loop.records.append(RequestRecord(f"r{i}", "finished", "max_tokens", 1, [5] * 2047, 0.0, times, 2.0, 0))
-    start = time.perf_counter()
-    response = TestClient(app).get("/minillm/requests")
-    took = time.perf_counter() - start
-    assert response.status_code == 200 and len(response.content) < 8_000_000, len(response.content)
+    app = create_app(ByteTokenizer(), Engine(tiny_model, EngineConfig(num_blocks=8, block_size=16)), "tiny")
+    records = app.state.engine_loop.records
+    for i in range(1000):  # the engine thread is not started: the records are kept by hand
+        records.keep(long_record(i))
+    with TestClient(app, base_url="http://localhost") as client:
+        response = client.get("/minillm/requests", params={"limit": 1000})
+    assert response.status_code == 200 and len(response.content) < 1_000_000, len(response.content)
     page = response.json()
     assert page["requests"][-1]["id"] == "r999" and page["next_offset"] == len(page["requests"]) < 1000
-    assert took < 5
+    assert sum(len(r["token_times"]) for r in page["requests"]) <= PAGE_TOKEN_TIMES
 
 
-# ---- item 4 (D8): what rendering a chat template may cost -------------------------------------------------------
+def test_the_ring_of_records_is_bounded_in_token_times_and_keeps_no_tokens():
+    """Long records fill the ring by their token times, not their count: the oldest go first, and what is
+    kept is what the endpoint publishes (no token ids)."""
+    records = Records(kept=4096, kept_token_times=10_000)
+    for i in range(50):
+        records.keep(long_record(i, tokens=1000))
+    kept = list(records.rows)
+    assert [r.request_id for r in kept] == [f"r{i}" for i in range(40, 50)] and records.token_times == 10_000
+    assert all(not hasattr(r, "output_ids") for r in kept)
+    assert json.loads(records.page(0, 3))["next_offset"] == 3
+
+
+# ---- what rendering a chat template may cost ----------------------------------------------------------------------
 def test_chat_messages_are_capped(limited):
     messages = [{"role": "user", "content": "a"}] * 9
     response = httpx.post(f"{limited.url}/chat/completions", json={"model": "tiny", "messages": messages,
@@ -308,19 +254,16 @@ class HugeTemplate(ByteTokenizer):
 
 
 def test_a_rendered_chat_prompt_longer_than_the_context_is_refused_before_encoding(tiny_model):
-    from minillm.serving.protocol import ChatCompletionRequest
-
-    frontend = Frontend(HugeTemplate(), EngineLoop(Engine(tiny_model, num_blocks=8, block_size=16)), "tiny")
-    body = parse_body(json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "abc"}]}).encode(),
-                      ChatCompletionRequest)
+    engine = Engine(tiny_model, EngineConfig(num_blocks=8, block_size=16))
+    prepare = Prepare(HugeTemplate(), engine, "tiny", ServerLimits())
     with pytest.raises(ApiError) as info:
-        frontend.chat_prompt(body)
+        prepare(json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "abc"}]}).encode(), chat=True)
     assert info.value.param == "messages" and "the template renders" in info.value.message
 
 
-# ---- item 5 (D9): stop strings ----------------------------------------------------------------------------------
+# ---- stop strings ------------------------------------------------------------------------------------------------
 def test_stop_text_holds_back_what_may_begin_a_stop_string():
-    from minillm.serving.app import StopText
+    from minillm.serving.output import StopText
 
     stops = StopText(["END", "xy"])
     assert stops.push("abcE") == ("abc", False)
@@ -385,7 +328,7 @@ def test_stop_and_logprobs_are_checked_by_name(plain):
     assert "between 0 and 20" in response.json()["error"]["message"]
 
 
-# ---- item 6 (D12): backpressure and slow clients ----------------------------------------------------------------
+# ---- backpressure and slow clients --------------------------------------------------------------------------------
 def test_a_full_queue_answers_429_with_retry_after(limited):
     body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=TIMEOUT) as a, httpx.Client(timeout=TIMEOUT) as b:
@@ -421,14 +364,30 @@ def test_a_body_that_never_arrives_is_a_408(limited):
         assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in reply
 
 
-# ---- item 7 (D13): shutdown and exit codes ----------------------------------------------------------------------
+# ---- shutdown and exit codes ---------------------------------------------------------------------------------------
 def test_once_shutdown_begins_new_requests_get_a_503(tiny_model):
-    frontend = Frontend(ByteTokenizer(), EngineLoop(Engine(tiny_model, num_blocks=8, block_size=16)), "tiny")
-    frontend.check_admission()
-    frontend.shutting_down = True
-    with pytest.raises(ApiError) as info:
-        frontend.check_admission()
-    assert info.value.status == 503 and info.value.headers["Retry-After"] == "1"
+    with inprocess_server(Engine(tiny_model, EngineConfig(num_blocks=8, block_size=16))) as (base, app):
+        one_token = {"model": "tiny", "prompt": "Hi", "max_tokens": 1}
+        assert httpx.post(f"{base}/v1/completions", json=one_token, timeout=TIMEOUT).status_code == 200
+        app.state.begin_shutdown()
+        response = httpx.post(f"{base}/v1/completions", json=one_token, timeout=TIMEOUT)
+    assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+    assert "shutting down" in response.json()["error"]["message"]
+
+
+class SlowTokenizer(ByteTokenizer):
+    def encode(self, *args, **kwargs):
+        time.sleep(1.0)
+        return super().encode(*args, **kwargs)
+
+
+def test_a_prompt_that_takes_too_long_to_prepare_is_a_503(tiny_model):
+    engine = Engine(tiny_model, EngineConfig(num_blocks=8, block_size=16))
+    with inprocess_server(engine, tokenizer=SlowTokenizer(), prepare_timeout=0.2) as (base, _):
+        response = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 1},
+                              timeout=TIMEOUT)
+    assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+    assert "preparing the prompt took more than 0.2 s" in response.json()["error"]["message"]
 
 
 def serve_command(*args: str) -> list[str]:

@@ -14,9 +14,11 @@ with request validation and streaming responses built in. The code is in ``minil
 (``minillm.fast.quant.load_precision``): int4 is the GGUF file's own 4-bit weights, so the tiny model,
 which has no file, takes float32, bfloat16 or int8 (its random weights made into that variant).
 
-Limits (flags, see ``--help``): a request body of at most ``--max-body-bytes`` (413), received within
-``--body-timeout`` (408); request headers within ``--header-timeout`` (the connection is closed);
-``--max-waiting`` requests queued beyond those running (then 429 with ``Retry-After``).
+Limits (flags, see ``--help``; ``minillm.serving.limits``): a request body of at most ``--max-body-bytes``
+(413), received within ``--body-timeout`` (408), at most ``--max-transit-bytes`` of bodies received or parsed
+at once (503); a connection's next request headers within ``--header-timeout`` (the connection is closed); a
+response whose client takes nothing for ``--send-timeout`` is abandoned; ``--max-waiting`` requests queued
+beyond those running (then 429 with ``Retry-After``).
 
 Shutdown: SIGTERM or Ctrl-C stops admitting (503), gives the streams in flight ``--shutdown-timeout``
 seconds to finish, ends the others with an error event and ``data: [DONE]``, and exits 0.
@@ -53,10 +55,11 @@ from ..engine.config import DEFAULT_TOKENS_PER_SEQUENCE
 SERVED_NAMES = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct", "tiny": "tiny"}  # --model -> the name served
 PORT_IN_USE = 4
 PROG = "python -m minillm serve"
-DEFAULT_HEADER_TIMEOUT = 10.0  # s for a connection to send its request's headers
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from .limits import ServerLimits  # needs the serve extra, as the server does
+
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Serve a minillm model over an OpenAI-compatible HTTP API (continuous batching "
@@ -76,12 +79,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="a step's token budget (chunked prefill; default: the engine's)")
     parser.add_argument("--enable-prefix-caching", action="store_true", help="share KV blocks of common prefixes")
-    parser.add_argument("--max-body-bytes", type=int_range(1), default=4 * 1024 * 1024,
+    parser.add_argument("--max-body-bytes", type=int_range(1), default=ServerLimits.max_body_bytes,
                         help="largest request body in bytes; a larger one gets a 413 (default 4 MiB)")
+    parser.add_argument("--max-transit-bytes", type=int_range(1), default=ServerLimits.max_transit_bytes,
+                        help="bytes of request bodies being received or parsed at once; more get a 503 with "
+                             "Retry-After (default 16 MiB)")
     parser.add_argument("--body-timeout", type=seconds(), default=30.0,
                         help="seconds to receive a request's body, else 408 (default 30)")
-    parser.add_argument("--header-timeout", type=seconds(), default=DEFAULT_HEADER_TIMEOUT,
-                        help="seconds to receive a request's headers, else the connection is closed (default 10)")
+    parser.add_argument("--header-timeout", type=seconds(), default=ServerLimits.header_timeout,
+                        help="seconds for a connection's next request headers, from its opening or its last "
+                             "response, else it is closed (default 10)")
+    parser.add_argument("--send-timeout", type=seconds(), default=ServerLimits.send_timeout,
+                        help="seconds a response may wait for its client to take bytes, else the request is "
+                             "aborted and the connection closed (default 10)")
     parser.add_argument("--max-waiting", type=int_range(0), default=128,
                         help="requests that may wait beyond the max-batch-size running; more get a 429 with "
                              "Retry-After (default 128)")
@@ -103,10 +113,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def server_limits(args: argparse.Namespace):
-    from .app import ServerLimits
+    from .limits import ServerLimits
 
-    return ServerLimits(max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-                        max_waiting=args.max_waiting, max_messages=args.max_messages,
+    return ServerLimits(max_body_bytes=args.max_body_bytes, max_transit_bytes=args.max_transit_bytes,
+                        body_timeout=args.body_timeout, header_timeout=args.header_timeout,
+                        send_timeout=args.send_timeout, max_waiting=args.max_waiting, max_messages=args.max_messages,
                         shutdown_timeout=args.shutdown_timeout)
 
 
@@ -143,20 +154,19 @@ def engine_config(args: argparse.Namespace, eos_token_id: int | None) -> EngineC
 
 
 def watch_stdin(server) -> None:
-    """Shut down (as on SIGTERM) once standard input reaches its end (the parent closed it, or died)."""
+    """Shut down (as on SIGTERM) once standard input reaches its end (the parent closed it, or died). The
+    thread reads the file descriptor itself: a daemon thread blocked in ``sys.stdin``'s buffered reader holds
+    its lock, which aborts the interpreter when it exits."""
     def wait():
-        sys.stdin.buffer.read()
+        while os.read(0, 65536):
+            pass
         server.handle_exit(signal.SIGTERM, None)
 
     threading.Thread(target=wait, name="stdin-watch", daemon=True).start()
 
 
-def server_classes(uvicorn, header_timeout: float):
-    """(uvicorn.Server that shuts down gracefully and exits 0 on SIGTERM, an h11 protocol that closes a
-    connection whose request headers are not complete within ``header_timeout`` seconds)."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
+def server_class(uvicorn):
+    """uvicorn.Server whose signal handler also begins the app's shutdown (``begin_shutdown``)."""
     class Server(uvicorn.Server):
         begin_shutdown = None  # the app's: stop admitting, end the streams left after --shutdown-timeout
 
@@ -164,51 +174,21 @@ def server_classes(uvicorn, header_timeout: float):
             if self.begin_shutdown is not None:
                 self.begin_shutdown()
             super().handle_exit(sig, frame)
-            self._captured_signals.clear()  # a handled SIGTERM is a clean exit (0), not re-raised
 
-    class TimedH11Protocol(H11Protocol):
-        header_timer = None
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.conn.their_state is h11.IDLE:
-                self._arm()  # still (or again) waiting for a request's headers
-            elif self.header_timer is not None:
-                self.header_timer.cancel()
-                self.header_timer = None
-
-        def connection_lost(self, exc) -> None:
-            if self.header_timer is not None:
-                self.header_timer.cancel()
-                self.header_timer = None
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            if self.header_timer is None:
-                self.header_timer = self.loop.call_later(header_timeout, self._headers_too_slow)
-
-        def _headers_too_slow(self) -> None:
-            self.header_timer = None
-            if self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete):
-                self.transport.close()  # headers never finished (an idle keep-alive is uvicorn's to close)
-
-    return Server, TimedH11Protocol
+    return Server
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     try:
         import uvicorn
 
         from .app import create_app
+        from .limits import MAX_HEADER_BYTES, Connections, connection_protocol
     except ImportError as error:
         print(f"{PROG}: error: {error}; install the server's packages with: pip install 'minillm[serve]'",
               file=sys.stderr)
         return NOT_INSTALLED
+    args = parse_args(argv)
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as error:
@@ -251,14 +231,17 @@ def main(argv: list[str] | None = None) -> int:
           f"context {config.max_seq_len} tokens\n  OpenAI API at http://{args.host}:{args.port}/v1", flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print("  note: the server has no authentication; anyone who can reach this address can use it", flush=True)
-    app = create_app(tokenizer, engine, name, server_limits(args))
-    server_class, protocol = server_classes(uvicorn, args.header_timeout)
-    server = server_class(uvicorn.Config(app, host=args.host, port=args.port, http=protocol,
-                                         access_log=not args.no_access_log, timeout_keep_alive=5,
-                                         timeout_graceful_shutdown=args.shutdown_timeout + 5))
+    limits, connections = server_limits(args), Connections(args.header_timeout)
+    app = create_app(tokenizer, engine, name, limits, host=args.host, connections=connections)
+    server = server_class(uvicorn)(uvicorn.Config(
+        app, host=args.host, port=args.port, http=connection_protocol(connections), access_log=not args.no_access_log,
+        timeout_keep_alive=5, timeout_graceful_shutdown=args.shutdown_timeout + 5,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES))
     server.begin_shutdown = app.state.begin_shutdown
     if args.exit_with_parent:
         watch_stdin(server)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal that stopped it once it has shut
+        signal.signal(sig, lambda *_: None)  # down, to the handler it found: this one, so the exit status is 0
     server.run(sockets=[sock])
     return 0
 

@@ -22,6 +22,7 @@ The route and the engine loop stay plain; everything a hostile or broken client 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import ipaddress
 import itertools
@@ -104,6 +105,7 @@ class Boundary:
                 self.connections.idle(scope.get("client"))
 
         refusal = self.refusal(scope, headers)
+        close = close or refusal is not None  # a client refused at the door gets no second request here
         try:
             if refusal is not None:
                 response = JSONResponse(refusal.body(), status_code=refusal.status, headers=refusal.headers)
@@ -274,7 +276,8 @@ class Preparer:
                 result, error = job(), None
             except BaseException as e:  # handed to the request that asked
                 result, error = None, e
-            loop.call_soon_threadsafe(_settle, future, result, error)
+            with contextlib.suppress(RuntimeError):  # its event loop has closed: nobody waits for it
+                loop.call_soon_threadsafe(_settle, future, result, error)
             end = time.perf_counter()
             self.rested_at = max(self.rested_at, end) + self.rest * (end - start)
 

@@ -2,9 +2,10 @@
 
 The engine is not thread-safe, so exactly one thread touches it. Handlers (on the asyncio event loop)
 put commands on a queue; the engine thread applies them between steps (a request that arrives while a
-step runs joins the next one: continuous batching across HTTP requests) and hands each new token to
-the request's stream with ``call_soon_threadsafe``. While nothing is waiting or running it sleeps on
-the queue instead of spinning.
+step runs joins the next one: continuous batching across HTTP requests), passes each new token through
+the request's ``OutputProcessor`` (text, stop strings, log-prob labels) and hands the result to the
+request's stream with ``call_soon_threadsafe``. While nothing is waiting or running it sleeps on the
+queue instead of spinning.
 """
 from __future__ import annotations
 
@@ -16,34 +17,78 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ..engine import Engine, Request, RequestRecord, StepOutput
+from ..engine import Engine, Request
+from .limits import Slot
+from .output import OutputProcessor, RequestOutput
+from .records import Records
 
 log = logging.getLogger("minillm.serving")
-RECORDS_KEPT = 4096  # finished requests whose engine records the server keeps (oldest dropped first)
+
+
+class RequestStream:
+    """One request's ``RequestOutput`` s, as an async iterator that ends after the last one (or raises the
+    error that ended it). It holds the request's admission slot until the engine has ended the request,
+    and at most ``limit`` outputs its client has not taken: one more aborts the request."""
+
+    def __init__(self, owner: EngineLoop, request_id: str, slot: Slot, limit: int):
+        self.owner, self.request_id, self.slot, self.limit = owner, request_id, slot, limit
+        self.loop = asyncio.get_running_loop()
+        self.outputs: deque[RequestOutput | Exception] = deque()
+        self.ready = asyncio.Event()
+        self.ended = False  # the engine has ended the request (the event loop's view)
+        self.closing = False  # asked the engine to end it
+
+    def deliver(self, item: RequestOutput | Exception | None) -> None:
+        """Called on the engine thread: an output, the error that ended the request, or None (it ended
+        without a word for its client: aborted)."""
+        try:
+            self.loop.call_soon_threadsafe(self._put, item)
+        except RuntimeError:  # the event loop has closed: the server is shutting down
+            pass
+
+    def _put(self, item: RequestOutput | Exception | None) -> None:
+        if item is None or isinstance(item, Exception) or item.finished:
+            self.ended = True
+            self.slot.release()  # the engine's work is done, whether or not the client reads the rest
+        if item is not None:
+            self.outputs.append(item)
+            self.ready.set()
+        if len(self.outputs) > self.limit and not self.ended:
+            self.close()  # a client that does not read its stream: the engine stops working for it
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while not self.outputs:
+            if self.ended:
+                raise StopAsyncIteration
+            self.ready.clear()
+            await self.ready.wait()
+        item = self.outputs.popleft()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """End the request in the engine if it has not ended (its client left, or does not read)."""
+        if not self.ended and not self.closing:
+            self.closing = True
+            self.owner.commands.put(Abort(self.request_id, "client"))
 
 
 @dataclass(frozen=True)
-class AddRequest:
-    """Queue ``request``, whose tokens go to ``stream``; the server received it at ``received``
-    (``time.perf_counter()``)."""
-
+class Submit:
     request: Request
+    processor: OutputProcessor
     stream: RequestStream
-    received: float
+    received: float  # time.perf_counter() when the server received it
 
 
 @dataclass(frozen=True)
-class AbortRequest:
-    """End a waiting or running request: its client left (``reason`` "client"), or its text reached a stop
-    string ("stop", which the engine records as finished)."""
-
+class Abort:
     request_id: str
-    reason: str = "client"
-
-
-@dataclass(frozen=True)
-class Stop:
-    """Abort what is left and end the engine thread."""
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -53,94 +98,35 @@ class FailAll:
     error: Exception
 
 
-Command = AddRequest | AbortRequest | Stop | FailAll  # what handlers put on ``EngineLoop.commands``
-
-
-class RequestStream:
-    """The ``StepOutput`` s of one request, as an async iterator that ends after the finished one.
-
-    ``close()`` aborts the request in the engine if it has not finished (its client left)."""
-
-    def __init__(self, owner: EngineLoop, request_id: str, loop: asyncio.AbstractEventLoop):
-        self.owner, self.request_id, self.loop = owner, request_id, loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.done = False
-        owner.in_flight += 1  # on the event loop, as every change of in_flight
-
-    def put(self, item: StepOutput | Exception) -> None:
-        """Called on the engine thread."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop has closed: the server is shutting down
-            pass
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> StepOutput:
-        if self.done:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, Exception):
-            self._end()
-            raise item
-        if item.finished:
-            self._end()
-        return item
-
-    def _end(self) -> None:
-        if not self.done:
-            self.done = True
-            self.owner.in_flight -= 1
-
-    def close(self, reason: str = "client") -> None:
-        """End the request in the engine if it has not ended: its client left, or ("stop") a stop string."""
-        if not self.done:
-            self._end()
-            self.owner.abort(self.request_id, reason)
-
-
 class EngineLoop:
-    """Owns an ``Engine`` and the thread that drives it (``start`` / ``stop``)."""
+    """Owns an ``Engine`` and the thread that drives it (``start`` / ``stop``). ``stats`` is the engine's
+    load after the latest step or command; ``records`` the records of the latest ended requests."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self.streams: dict[str, RequestStream] = {}  # engine thread only
-        self.records: deque[RequestRecord] = deque(maxlen=RECORDS_KEPT)
-        self.records_lock = threading.Lock()
-        self.in_flight = 0  # requests submitted and not yet ended (event loop only): the admission count
-        self.stats = engine.load()  # after the latest step or command (what /health reports)
+    def __init__(self, engine: Engine, max_buffered_outputs: int = 1024):
+        self.engine, self.max_buffered = engine, max_buffered_outputs
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.requests: dict[str, tuple[OutputProcessor, RequestStream]] = {}  # engine thread only
+        self.records = Records()
+        self.stats = engine.load()
         self.thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort what is left, end the thread."""
-        self.commands.put(Stop())
+        """End what is left, end the thread."""
+        self.commands.put(None)
         self.thread.join(timeout)
 
-    def submit(self, request: Request, received: float) -> RequestStream:
-        """Queue ``request``, which reached the server at ``time.perf_counter()`` = ``received`` (call on
-        the event loop; check ``engine.rejection`` first)."""
-        stream = RequestStream(self, request.request_id, asyncio.get_running_loop())
-        self.commands.put(AddRequest(request, stream, received))
+    def submit(self, request: Request, processor: OutputProcessor, slot: Slot, received: float) -> RequestStream:
+        """Queue ``request`` (call on the event loop; ``engine.rejection`` has passed it), whose stream takes
+        ``slot``; ``received``: ``time.perf_counter()`` when it reached the server."""
+        stream = RequestStream(self, request.request_id, slot, self.max_buffered)
+        self.commands.put(Submit(request, processor, stream, received))
         return stream
 
-    def abort(self, request_id: str, reason: str = "client") -> None:
-        self.commands.put(AbortRequest(request_id, reason))
-
     def fail_all(self, error: Exception) -> None:
-        """End every request in flight with ``error`` (its stream gets it); later requests are served."""
         self.commands.put(FailAll(error))
-
-    def finished_records(self, offset: int = 0, limit: int | None = None) -> tuple[list[RequestRecord], int]:
-        """(records ``offset`` to ``offset + limit`` of those kept, oldest first; how many are kept)."""
-        with self.records_lock:
-            total = len(self.records)
-            end = total if limit is None else min(total, offset + limit)
-            return [self.records[i] for i in range(min(offset, total), end)], total
 
     # ---- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -153,60 +139,53 @@ class EngineLoop:
             except queue.Empty:
                 pass
             for command in commands:
-                if isinstance(command, Stop):
-                    self._abort_all(RuntimeError("the server is shutting down"))
-                    return
-                if isinstance(command, AddRequest):
+                if command is None:
+                    return self._end_all(RuntimeError("the server is shutting down"))
+                if isinstance(command, Submit):
                     self._add(command)
-                elif isinstance(command, FailAll):
-                    self._abort_all(command.error)
+                elif isinstance(command, Abort):
+                    self._end(command.request_id, command.reason, None)
                 else:
-                    self._abort(command.request_id, command.reason)
-            outputs = self._step() if self.engine.has_unfinished() else []
+                    self._end_all(command.error)
+            if self.engine.has_unfinished():
+                self._step()
             self.stats = self.engine.load()
-            for out in outputs:
-                self.streams[out.request_id].put(out)
-                if out.finished:
-                    del self.streams[out.request_id]
 
-    def _add(self, command: AddRequest) -> None:
+    def _add(self, command: Submit) -> None:
         # it arrived when the server received it, not when this thread got to it after the step in flight
-        # (as in an offline run, where a request arriving mid-step waits for the step's end)
-        request, stream = command.request, command.stream
         arrival = self.engine.clock() - (time.perf_counter() - command.received)
         try:
-            self.engine.add_request(request, arrival_time=arrival)
+            self.engine.add_request(command.request, arrival_time=arrival)
         except ValueError as error:
-            stream.put(error)
-            return
-        self.streams[request.request_id] = stream
+            return command.stream.deliver(error)
+        self.requests[command.request.request_id] = (command.processor, command.stream)
 
-    def _abort(self, request_id: str, reason: str) -> None:
-        record = self.engine.abort(request_id, reason)
-        if record is not None:
-            self.streams.pop(request_id, None)
-            self._keep(record)
-
-    def _step(self) -> list[StepOutput]:
+    def _step(self) -> None:
         try:
             result = self.engine.step()
         except Exception as error:  # fail the requests in flight, keep serving
             log.exception("engine step failed")
-            self._abort_all(RuntimeError(f"engine step failed: {error!r}"))
-            return []
+            return self._end_all(RuntimeError(f"engine step failed: {error!r}"))
         for record in result.ended:
-            self._keep(record)
-        return result.outputs
+            self.records.keep(record)
+        for out in result.outputs:
+            processor, stream = self.requests[out.request_id]
+            output = processor.process(out)
+            if out.finished:
+                del self.requests[out.request_id]
+            elif output.finished:  # a stop string: the engine's request ends here, its blocks freed
+                self._end(out.request_id, "stop", None)
+            stream.deliver(output)
 
-    def _abort_all(self, error: Exception) -> None:
-        """End every request in flight with ``error`` (the engine records them as failed)."""
-        for request_id, stream in list(self.streams.items()):
-            record = self.engine.abort(request_id, "error")
-            if record is not None:
-                self._keep(record)
-            stream.put(error)
-        self.streams.clear()
+    def _end(self, request_id: str, reason: str, word: Exception | None) -> None:
+        """End a waiting or running request early (``reason``: "client", "stop" or "error")."""
+        record = self.engine.abort(request_id, reason)
+        if record is not None:
+            self.records.keep(record)
+        _, stream = self.requests.pop(request_id, (None, None))
+        if stream is not None and reason != "stop":
+            stream.deliver(word)
 
-    def _keep(self, record: RequestRecord) -> None:
-        with self.records_lock:
-            self.records.append(record)
+    def _end_all(self, error: Exception) -> None:
+        for request_id in list(self.requests):
+            self._end(request_id, "error", error)

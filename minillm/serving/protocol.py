@@ -1,8 +1,11 @@
 """The OpenAI-compatible wire format: the request bodies (validated), the response and chunk bodies, errors.
 
-Field names and defaults follow OpenAI's API; ``top_k``, ``ignore_eos`` and ``return_token_ids`` are the
-extensions vLLM accepts under the same names. Unknown fields are ignored (as vLLM does); known fields
-this server cannot honour (``n > 1``, penalties, ...) are refused by name. ``stop`` (up to
+Field names and defaults follow OpenAI's API (an explicit ``null`` means the default, as in OpenAI's and
+vLLM's); ``top_k``, ``ignore_eos`` and ``return_token_ids`` are the extensions vLLM accepts under the same
+names. Unknown fields are ignored (as vLLM does); known fields this server cannot honour (``n > 1``,
+penalties, ...) are refused by name. A body is parsed by pydantic's own JSON parser (``parse_body``), which
+refuses invalid JSON, lone surrogates, nesting deeper than it allows and numbers too long for it; every
+refusal, of a body or of a query parameter, becomes one OpenAI error (``request_error``). ``stop`` (up to
 ``MAX_STOP`` strings) is implemented: the text ends before the first one generated, finish_reason "stop".
 
 Log-probs: ``/v1/completions`` takes ``logprobs: N`` (0 to ``MAX_LOGPROBS``), ``/v1/chat/completions``
@@ -17,9 +20,10 @@ has no infinity), as OpenAI and vLLM do.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Literal
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -32,12 +36,12 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
-from ..engine import TokenLogprob
 from ..sampling import SamplingParams
 from ..validate import check_seed
+from .output import Label, TokenLogprobs
 
-FINISH_REASONS = {"eos": "stop", "max_tokens": "length"}  # engine -> OpenAI
 MAX_STOP, MAX_STOP_CHARS = 4, 256  # stop strings: at most 4 (as OpenAI), each at most this long
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20  # OpenAI's limits: completions' logprobs, chat's top_logprobs
@@ -58,7 +62,8 @@ def _neutral(value, neutral: tuple) -> bool:
     return any(type(value) is type(n) and value == n for n in neutral)
 
 
-def _short_repr(value, limit: int = 200) -> str:
+def short_repr(value, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters (an error message never echoes a client's megabytes)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
@@ -77,17 +82,6 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
-def _encodable(text: str) -> str:
-    """``text`` if it can be written as UTF-8. JSON allows a lone surrogate (``"\\ud800"``), which is no
-    character and cannot be encoded or tokenized: a ValueError (a 400 naming the field), not a 500 later."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(f"must be valid Unicode text, but holds a lone surrogate "
-                         f"({text[error.start]!r} at position {error.start})") from None
-    return text
-
-
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -98,15 +92,26 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    temperature: StrictFloat = Field(1.0, ge=0, le=2)  # OpenAI's default and range; 0 is greedy
-    top_p: StrictFloat = Field(1.0, gt=0, le=1)
-    top_k: StrictInt = Field(0, ge=-1)  # vLLM extension: 0 or -1 disables it
+    temperature: StrictFloat | None = Field(None, ge=0, le=2)  # OpenAI's range; null: its default, 1; 0 is greedy
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)  # null: 1
+    top_k: StrictInt | None = Field(None, ge=-1)  # vLLM extension: 0 or -1 (or null) disables it
     seed: StrictInt | None = None
-    stream: StrictBool = False
+    stream: StrictBool | None = None  # null: false
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False  # vLLM extension: generate max_tokens tokens even past EOS
     return_token_ids: StrictBool = False  # vLLM extension: the token ids with the text
     stop: str | list[str] | None = None  # up to MAX_STOP strings; the text ends before the first one generated
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        for name, neutral in UNSUPPORTED.items():
+            if isinstance(data, dict) and name in data and not _neutral(data[name], neutral):
+                raise PydanticCustomError("unsupported", "{param}={value} is not supported by this server "
+                                          "(accepted: {accepted}, which mean not used)",
+                                          {"param": name, "value": short_repr(data[name]),
+                                           "accepted": " or ".join(json.dumps(n) for n in neutral)})
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -118,7 +123,6 @@ class SamplingRequest(BaseModel):
             if not text or len(text) > MAX_STOP_CHARS:
                 raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters, "
                                  f"got one of {len(text)}")
-            _encodable(text)
         return strings
 
     @property
@@ -137,7 +141,8 @@ class SamplingRequest(BaseModel):
         return self
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, max(self.top_k, 0), self.top_p)
+        temperature, top_p = (1.0 if v is None else v for v in (self.temperature, self.top_p))
+        return SamplingParams(temperature, max(self.top_k or 0, 0), top_p)
 
     @property
     def include_usage(self) -> bool:
@@ -153,7 +158,7 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt, as text or as token ids."""
 
     prompt: str | list[int]
-    max_tokens: StrictInt = Field(DEFAULT_COMPLETION_TOKENS, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1)  # null: OpenAI's default for completions, 16
     logprobs: StrictInt | None = None  # each token's log-prob and the N most likely, N <= MAX_LOGPROBS
 
     @field_validator("logprobs", mode="before")
@@ -173,6 +178,10 @@ class CompletionRequest(SamplingRequest):
     def logprob_count(self) -> int | None:
         return self.logprobs
 
+    @property
+    def token_limit(self) -> int:
+        return DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
+
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, value):
@@ -180,11 +189,6 @@ class CompletionRequest(SamplingRequest):
                 isinstance(t, int) and not isinstance(t, bool) for t in value)):
             return value
         raise ValueError("must be a string or a list of token ids (one prompt per request)")
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_is_unicode(cls, value):
-        return _encodable(value) if isinstance(value, str) else value
 
 
 class TextPart(BaseModel):
@@ -196,21 +200,6 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
 
-    @model_validator(mode="before")
-    @classmethod
-    def _content_is_unicode(cls, data):
-        """Checked before the content's two shapes are tried, so that the error is this, not a shape's."""
-        content = data.get("content") if isinstance(data, dict) else None
-        parts = [content] if isinstance(content, str) else content if isinstance(content, list) else []
-        for part in parts:
-            text = part.get("text") if isinstance(part, dict) else part
-            if isinstance(text, str):
-                try:
-                    _encodable(text)
-                except ValueError as error:
-                    raise ValueError(f"content {error}") from None
-        return data
-
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
@@ -221,7 +210,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
-    logprobs: StrictBool = False  # each token's log-prob ...
+    logprobs: StrictBool | None = None  # each token's log-prob (null: false) ...
     top_logprobs: StrictInt | None = None  # ... and the K most likely, K <= MAX_TOP_LOGPROBS
 
     @field_validator("top_logprobs")
@@ -243,30 +232,32 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 def parse_body(raw: bytes, model_class: type[SamplingRequest]) -> SamplingRequest:
-    """Request bytes -> a validated request; ApiError(400) naming the field and the rule broken."""
+    """Request bytes -> a validated request, or RequestValidationError (``request_error`` makes it a 400)."""
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    for name, neutral in UNSUPPORTED.items():
-        if name in data and not _neutral(data[name], neutral):
-            accepted = " or ".join(json.dumps(n) for n in neutral)
-            raise ApiError(400, f"{name}={_short_repr(data[name])} is not supported by this server "
-                                f"(accepted: {accepted}, which mean not used)", param=name)
-    try:
-        return model_class.model_validate(data)
+        return model_class.model_validate_json(raw)
     except ValidationError as error:
-        first = error.errors()[0]
-        loc = [str(part) for part in first["loc"] if part != "str" and not str(part).startswith("list[")]
-        param = ".".join(loc) or None
-        message = first["msg"].removeprefix("Value error, ")
-        if param is not None and first["type"] != "missing":
-            message = f"{param}: {message} (got {_short_repr(first['input'])})"
-        elif param is not None:
-            message = f"{param}: {message}"
-        raise ApiError(400, message, param=loc[0] if loc else None) from None
+        raise RequestValidationError(error.errors(include_url=False)) from None
+
+
+def request_error(errors: Sequence[dict]) -> ApiError:
+    """The 400 for pydantic's or FastAPI's validation errors (of a body or a query): OpenAI's error body,
+    naming the first one's field (``param``), the rule it broke and the value it got."""
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {first['ctx']['error']}")
+    if first["type"] == "unsupported":
+        return ApiError(400, first["msg"], param=first["ctx"]["param"])
+    loc = [str(part) for part in first["loc"] if part != "str" and not str(part).startswith(("list[", "function"))]
+    loc = loc[1:] if loc and loc[0] in ("body", "query", "path") else loc
+    if not loc and first["type"] == "model_type":
+        return ApiError(400, f"the request body must be a JSON object, got {short_repr(first['input'], 50)}")
+    param = ".".join(loc) or None
+    message = first["msg"].removeprefix("Value error, ")
+    if param is not None and first["type"] != "missing":
+        message = f"{param}: {message} (got {short_repr(first['input'])})"
+    elif param is not None:
+        message = f"{param}: {message}"
+    return ApiError(400, message, param=loc[0] if loc else None)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -274,12 +265,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-class Shape:
+class EndpointFormat:
     """What differs between the two endpoints' bodies: the object names and the choice's layout."""
 
     def __init__(self, chat: bool):
         self.chat = chat
-        self.id_prefix = "chatcmpl-" if chat else "cmpl-"
         self.full_object = "chat.completion" if chat else "text_completion"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
@@ -295,24 +285,24 @@ class Shape:
             body = {"message": {"role": "assistant", "content": text}}
         return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def logprobs(self, tokens: list[TokenLogprob], text_offsets: list[int],
-                 label: Callable[[int], tuple[str, bytes]]) -> dict:
-        """A choice's ``logprobs`` for ``tokens`` (a whole reply, or the tokens of one chunk). Completions:
-        OpenAI's parallel lists (``text_offset``: where in the reply the text each token completed begins,
-        so token i's text is ``text[text_offset[i]:text_offset[i + 1]]``, "" for a piece of a character); chat:
-        ``content``, one entry per token with its bytes. ``label(token_id)``: (its text, its bytes)."""
+    def logprobs(self, tokens: list[TokenLogprobs] | None) -> dict | None:
+        """A choice's ``logprobs`` for ``tokens`` (a whole reply, or the tokens of one chunk; None: not asked).
+        Completions: OpenAI's parallel lists (``text_offset``: where in the reply the text each token completed
+        begins, so token i's text is ``text[text_offset[i]:text_offset[i + 1]]``, "" for a piece of a
+        character); chat: ``content``, one entry per token with its bytes."""
+        if tokens is None:
+            return None
         if not self.chat:
-            return {"tokens": [label(t.token_id)[0] for t in tokens],
-                    "token_logprobs": [_sendable(t.logprob) for t in tokens],
-                    "top_logprobs": [{label(i)[0]: _sendable(lp) for i, lp in t.top} for t in tokens],
-                    "text_offset": text_offsets}
+            return {"tokens": [t.token.text for t in tokens],
+                    "token_logprobs": [_sendable(t.token.logprob) for t in tokens],
+                    "top_logprobs": [{label.text: _sendable(label.logprob) for label in t.top} for t in tokens],
+                    "text_offset": [t.text_offset for t in tokens]}
 
-        def entry(token_id: int, logprob: float) -> dict:
-            text, raw = label(token_id)
-            return {"token": text, "logprob": _sendable(logprob), "bytes": list(raw)}
+        def entry(label: Label) -> dict:
+            return {"token": label.text, "logprob": _sendable(label.logprob), "bytes": list(label.bytes)}
 
-        return {"content": [entry(t.token_id, t.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in t.top]}
-                            for t in tokens], "refusal": None}
+        return {"content": [entry(t.token) | {"top_logprobs": [entry(label) for label in t.top]} for t in tokens],
+                "refusal": None}
 
 
 def _sendable(logprob: float) -> float:

@@ -23,6 +23,11 @@ class ByteTokenizer:
         check_token_ids(ids, self.vocab_size)
         return bytes(i for i in ids if i < 256).decode("utf-8", errors=errors)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for: its byte, or a special token's name (``<EOS>``)."""
+        check_token_ids([int(token_id)], self.vocab_size)
+        return bytes([token_id]) if token_id < 256 else self.token_strings([token_id])[0].encode()
+
     def token_strings(self, ids) -> list[str]:
         """A readable label per token: the byte as hex, the character where the byte is ASCII."""
         names = {self.bos_token_id: "<BOS>", self.eos_token_id: "<EOS>"}

@@ -1,0 +1,52 @@
+"""The engine's records of the latest ended requests, kept for ``GET /minillm/requests`` (minillm's extension,
+what ``python -m minillm bench --compare-engine`` reads), bounded in count and in token times, served by page.
+
+Only what the endpoint publishes is kept (``RequestSummary``: times and counts, never the tokens), at most
+``KEPT`` records and ``KEPT_TOKEN_TIMES`` token times in all (the oldest go first): with SmolLM2's 8,192-token
+context, keeping whole records would let 4,096 of them hold about 2 GB. A page holds at most ``PAGE_MAX``
+records and ``PAGE_TOKEN_TIMES`` token times, and is rendered to JSON bytes by the caller's worker thread.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+
+from ..request import RequestRecord, RequestSummary
+
+KEPT, KEPT_TOKEN_TIMES = 4096, 500_000  # records kept, and their token times in all (about 16 MB of floats)
+PAGE_DEFAULT, PAGE_MAX, PAGE_TOKEN_TIMES = 100, 1000, 20_000  # a page: records by default, at most, token times
+
+
+class Records:
+    """Kept on the engine thread (``keep``), read from any thread (``page``)."""
+
+    def __init__(self, kept: int = KEPT, kept_token_times: int = KEPT_TOKEN_TIMES):
+        self.kept, self.kept_token_times = kept, kept_token_times
+        self.rows: deque[RequestSummary] = deque()
+        self.token_times = 0  # in self.rows
+        self.lock = threading.Lock()
+
+    def keep(self, record: RequestRecord) -> None:
+        summary = RequestSummary.of(record)
+        with self.lock:
+            self.rows.append(summary)
+            self.token_times += len(summary.token_times)
+            while len(self.rows) > self.kept or self.token_times > self.kept_token_times:
+                self.token_times -= len(self.rows.popleft().token_times)
+
+    def page(self, offset: int, limit: int, token_times: bool = True) -> bytes:
+        """Skip the ``offset`` newest records; the ``limit`` before them, oldest first (fewer when their token
+        times would pass ``PAGE_TOKEN_TIMES``), as JSON with ``total`` and ``next_offset`` (null at the end)."""
+        with self.lock:
+            total, chosen, times = len(self.rows), [], 0
+            for i in range(total - 1 - offset, -1, -1):
+                row = self.rows[i]
+                if len(chosen) == limit or (chosen and times + len(row.token_times) > PAGE_TOKEN_TIMES):
+                    break
+                times += len(row.token_times)
+                chosen.append(row)
+        end = offset + len(chosen)
+        return json.dumps({"requests": [row.to_json(token_times) for row in reversed(chosen)], "total": total,
+                           "offset": offset, "next_offset": end if end < total else None},
+                          separators=(",", ":")).encode()

@@ -13,7 +13,8 @@ import torch
 
 from .device import DEVICE_NAMES, DTYPES, resolve_device, resolve_dtype
 from .fast.int4 import kernels_used
-from .fast.quant import PRECISIONS, load_precision, make_variant
+from .fast.precision import PRECISIONS, load_precision
+from .fast.quant import make_variant
 
 BAD_ARGUMENT, NOT_INSTALLED = 2, 3
 PRETRAINED = "smollm2-135m-instruct"  # --model smollm2: the packaged SmolLM2-135M-Instruct

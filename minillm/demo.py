@@ -4,7 +4,7 @@
 in, the text streamed out token by token as the cached path generates it; ``--chat`` wraps the prompt in the
 chat template, and generation stops at the end-of-turn token ``<|im_end|>``. Then TTFT, TPOT and tokens/s of
 the run. ``--compare`` also runs the naive path (the whole sequence recomputed every step) and checks that it
-gives the same tokens. ``--precision {float32,bfloat16,int8,int4}`` picks the weights (``minillm.fast.quant.
+gives the same tokens. ``--precision {float32,bfloat16,int8,int4}`` picks the weights (``minillm.fast.precision.
 PRECISIONS``): int4 is the GGUF file's own 4-bit weights through the block kernel (or PyTorch's int4 kernel).
 
 ``--speculative {int4,ngram}`` with ``--k K``: speculative decoding (``minillm.speculative``): the int4 weights or
@@ -39,6 +39,7 @@ from .cli_common import (
 )
 from .config import PRESETS
 from .fast.blockdot import BlockLinear
+from .fast.compiled import STEPS, command_line_decoder
 from .fast.int4 import load_int4
 from .generate import TokenEvent, stream_generate
 from .sampling import SamplingParams
@@ -90,6 +91,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
                         help="speculative decoding (smollm2): the file's int4 weights or prompt lookup guess --k "
                              "tokens, the model checks them in one call; also runs plain decode to compare")
     parser.add_argument("--k", type=int_range(1), default=4, help="guesses per round with --speculative (default 4)")
+    parser.add_argument("--step", choices=STEPS, default="auto",
+                        help="smollm2's decode step: compiled (the static step, torch.compile), eager (the model's "
+                             "forward), or auto (default): compiled for int4 on a CPU, where it is the fast one")
     return parser, parser.parse_args(argv)
 
 
@@ -156,10 +160,14 @@ def collect(events, label: str, total: int, on_event=None) -> list[TokenEvent]:
 
 
 def timed_run(model, prompt_ids: list[int], max_new_tokens: int, use_cache: bool, label: str,
-              on_event=None, **generate_kwargs) -> Run:
-    """One run of ``stream_generate``, timed from the request to each token (minillm.analysis.metrics)."""
+              on_event=None, decoder=None, **generate_kwargs) -> Run:
+    """One run of ``stream_generate`` (or of ``decoder.stream``, the static step), timed from the request to
+    each token (minillm.analysis.metrics)."""
     start = now(model.device)
-    events = stream_generate(model, prompt_ids, max_new_tokens, use_cache=use_cache, **generate_kwargs)
+    if decoder is not None:
+        events = decoder.stream(prompt_ids, max_new_tokens, **generate_kwargs)
+    else:
+        events = stream_generate(model, prompt_ids, max_new_tokens, use_cache=use_cache, **generate_kwargs)
     return timed_events(start, events, label, max_new_tokens, on_event)
 
 
@@ -171,9 +179,13 @@ def timed_events(start: float, events, label: str, max_new_tokens: int, on_event
     return Run([e.token_id for e in events], ttft(timing), tpot(timing), len(events) / total, total)
 
 
-def warm_up(model, prompt_ids: list[int], max_new_tokens: int, use_cache: bool) -> None:
-    """A few untimed tokens first, so one-time costs (allocations, kernel selection) stay out of the timings."""
-    for _ in stream_generate(model, prompt_ids, min(WARMUP_TOKENS, max_new_tokens), use_cache=use_cache):
+def warm_up(model, prompt_ids: list[int], max_new_tokens: int, use_cache: bool, decoder=None) -> None:
+    """A few untimed tokens first, so one-time costs (allocations, kernel selection, compiling ``decoder``'s
+    step) stay out of the timings."""
+    n = min(WARMUP_TOKENS, max_new_tokens)
+    events = (decoder.stream(prompt_ids, n) if decoder is not None
+              else stream_generate(model, prompt_ids, n, use_cache=use_cache))
+    for _ in events:
         pass
 
 
@@ -265,9 +277,11 @@ def run_smollm2(parser, args, prompt: str, sampling: SamplingParams) -> int:
     print(f"model: {c.n_params / 1e6:.1f}M parameters, {c.n_layers} layers, {c.n_heads} query heads sharing "
           f"{c.n_kv_heads} KV heads, head_dim {c.head_dim}")
     print(f"device: {device.type}, {weights_text(args, model)}{threads_text(device)}")
+    if args.speculative is None:
+        decoder, step_text = command_line_decoder(model, len(prompt_ids), n_new, args.step)
+        print(f"decode step: {step_text}")
     print(f"prompt: {prompt!r}{' in the chat template' if args.chat else ''} = {len(prompt_ids)} tokens")
-    print(f"up to {n_new} new tokens, {how}, stops at {eos_name}")
-    print("--- output (streamed as generated) ---", flush=True)
+    print(f"up to {n_new} new tokens, {how}, stops at {eos_name}", flush=True)
     generate_kwargs = dict(sampling=sampling, eos_token_id=eos, seed=args.seed)
     stream = TextStream(tokenizer)
 
@@ -275,11 +289,13 @@ def run_smollm2(parser, args, prompt: str, sampling: SamplingParams) -> int:
         print(stream.push(event.token_id), end="", flush=True)
 
     if args.speculative is not None:
+        print("--- output (streamed as generated) ---", flush=True)
         return run_speculative(model, args, prompt_ids, stream, show, generate_kwargs, eos_name)
     paths = ["cached", "naive"] if args.compare else ["cached"]
     for name in paths:
-        warm_up(model, prompt_ids, n_new, name == "cached")
-    runs = {"cached": timed_run(model, prompt_ids, n_new, True, "cached", show, **generate_kwargs)}
+        warm_up(model, prompt_ids, n_new, name == "cached", decoder if name == "cached" else None)
+    print("--- output (streamed as generated) ---", flush=True)
+    runs = {"cached": timed_run(model, prompt_ids, n_new, True, "cached", show, decoder, **generate_kwargs)}
     print(stream.flush())
     cached = runs["cached"].tokens
     stop = f"stopped at {eos_name}" if cached[-1] == eos else f"stopped at --max-new-tokens {n_new}"

@@ -1,5 +1,7 @@
-"""benchmarks/bench_peers.py's parts that need no timing: skipping llama.cpp (with how to install it) where
-``import llama_cpp`` fails, and its arguments (the cache and probe it reads are tested in test_roofline.py)."""
+"""benchmarks/bench_peers.py and llama_peer.py's parts that need no timing: the build command written from the
+CPU's flags, llama.cpp's banner read for the features minillm's kernel uses, the verdict, skipping llama.cpp
+(with how to build it) where ``import llama_cpp`` fails, and the arguments (the cache and probe it reads are
+tested in test_roofline.py)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -9,8 +11,55 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import bench_peers  # noqa: E402  (a script folder, not a package)
+import llama_peer  # noqa: E402
 
-pytestmark = pytest.mark.slow  # runs the benchmark script
+pytestmark = pytest.mark.slow  # the script test loads SmolLM2 and builds the block kernel
+
+ZEN4 = {"avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+        "avx512vbmi", "avx_vnni"}
+# the banner of llama-cpp-python 0.3.36 built with -DGGML_AVX2=ON -DGGML_AVX512=ON only, and with the VNNI path
+WITHOUT_VNNI = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 1 | " \
+               "LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |"
+WITH_VNNI = WITHOUT_VNNI.replace("AVX512 = 1 |", "AVX512 = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 |")
+
+
+def test_the_build_command_turns_on_every_instruction_set_the_cpu_has():
+    args = llama_peer.cmake_args(ZEN4)
+    assert "-DGGML_NATIVE=OFF" in args and "-DGGML_AVX512_VNNI=ON" in args and "-DGGML_AVX512_BF16=ON" in args
+    assert "-DGGML_AVX512_VBMI=ON" in args and "-DGGML_AVX_VNNI=ON" in args and "-DGGML_AMX_INT8=OFF" in args
+    laptop = llama_peer.cmake_args({"avx", "avx2", "fma", "f16c", "bmi2"})
+    assert "-DGGML_AVX2=ON" in laptop and "-DGGML_AVX512=OFF" in laptop and "-DGGML_AVX512_VNNI=OFF" in laptop
+    assert llama_peer.cmake_args(set()) == "-DGGML_NATIVE=ON"  # not Linux x86: llama.cpp's own default
+    hint = llama_peer.install_hint(ZEN4)
+    assert "pip install --no-cache-dir llama-cpp-python==0.3.36" in hint and f'CMAKE_ARGS="{args}"' in hint
+
+
+def test_a_build_without_a_feature_of_the_kernel_gets_no_verdict():
+    """The README once said "1.24x llama.cpp (met)" against a llama.cpp built without the VNNI path its x86 kernels
+    use; built with it, llama.cpp was 1.8x faster."""
+    assert llama_peer.banner_features(WITH_VNNI) >= {"AVX512", "AVX512_VNNI", "FMA", "F16C"}
+    problem = llama_peer.build_problem(WITHOUT_VNNI, "avx512_vnni")
+    assert "without AVX512_VNNI" in problem and "handicapped" in problem
+    assert llama_peer.build_problem(WITH_VNNI, "avx512_vnni") is None
+    assert llama_peer.build_problem(WITHOUT_VNNI, "avx2") is None  # what an AVX2 kernel uses is there
+    assert bench_peers.verdict({1: 1.3, 2: 1.1}, problem).startswith("no verdict: llama.cpp was built without")
+    assert llama_peer.features_not_built(WITHOUT_VNNI, ZEN4) == ["AVX_VNNI", "AVX512_VBMI", "AVX512_VNNI",
+                                                                  "AVX512_BF16"]
+    assert llama_peer.features_not_built(WITH_VNNI, {"avx", "avx2"}) == []
+
+
+def test_met_needs_every_thread_count():
+    assert bench_peers.verdict({1: 1.3, 2: 1.0}, None) == "met"
+    assert bench_peers.verdict({1: 1.3, 2: 0.99}, None) == "NOT met"
+
+
+def test_graph_nodes_are_sorted_into_the_parts_of_a_step():
+    part = llama_peer.op_category
+    assert part("MUL_MAT", "ffn_up-3") == part("MUL_MAT", "result_output") == "matmuls"
+    assert part("MUL_MAT", "kq-3") == part("SOFT_MAX", "kq_soft_max-3") == "attention"
+    assert part("RMS_NORM", "norm-0") == part("MUL", "attn_norm-0") == "norms"
+    assert part("MUL", "ffn_gate_par-1") == part("SWIGLU", "ffn_swiglu-1") == "SwiGLU"
+    assert part("ROPE", "Qcur-0") == "rotary" and part("ADD", "ffn_inp-0") == "residual adds"
 
 
 def test_a_python_without_llama_cpp_is_named_with_the_reason(tmp_path):
@@ -20,24 +69,22 @@ def test_a_python_without_llama_cpp_is_named_with_the_reason(tmp_path):
     problem = bench_peers.llama_problem(str(fake))
     assert "import llama_cpp" in problem and "ModuleNotFoundError" in problem
     assert "cannot run" in bench_peers.llama_problem(str(tmp_path / "no-such-python"))
-    assert "pip install llama-cpp-python==0.3.36" in bench_peers.INSTALL_HINT
-    assert "CMAKE_ARGS=" in bench_peers.INSTALL_HINT
 
 
 def test_the_script_skips_llama_cpp_clearly_and_exits_0(tmp_path):
-    """The whole script with a Python that lacks llama_cpp: the skip line and the install hint, exit 0.
-    Short: one thread, one round, 4 new tokens, no compiled step."""
+    """The whole script with a Python that lacks llama_cpp: the skip line and the build command, exit 0.
+    Short: one thread, one round, 4 new tokens, the eager step (no compiling)."""
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\nexit 1\n")
     fake.chmod(0o755)
     out = subprocess.run([sys.executable, str(BENCHMARKS / "bench_peers.py"), "--threads", "1", "--rounds", "1",
-                          "--new-tokens", "4", "--no-compiled", "--llama-python", str(fake)],
+                          "--new-tokens", "4", "--step", "eager", "--llama-python", str(fake)],
                          capture_output=True, text=True, timeout=600, cwd=BENCHMARKS.parent)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "llama.cpp: SKIPPED" in out.stdout and "pip install llama-cpp-python==0.3.36" in out.stdout
+    assert "llama.cpp: SKIPPED" in out.stdout and "pip install --no-cache-dir llama-cpp-python==0.3.36" in out.stdout
     assert "not measured (llama.cpp skipped)" in out.stdout
     rows = [line.split("|")[0].strip() for line in out.stdout.splitlines() if "|" in line]
-    assert "int4" in rows and "llama.cpp" not in rows
+    assert "int4 eager" in rows and "llama.cpp" not in rows
 
 
 def test_bad_thread_counts_are_refused():

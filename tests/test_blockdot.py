@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import gguf
 import pytest
@@ -13,7 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from minillm.checkpoints.gguf import split_q4_1, split_q8_0
-from minillm.fast.blockdot import BlockLinear, blockdot_problem, kernel_isa, pack_q4_1, pack_q8_0, unpack
+from minillm.fast.blockdot import (
+    BlockLinear,
+    blockdot_library,
+    blockdot_problem,
+    kernel_isa,
+    pack_q4_1,
+    pack_q8_0,
+    unpack,
+)
 from minillm.fast.int4 import model_kernel
 
 pytestmark = pytest.mark.slow  # builds the C++ block kernel
@@ -111,6 +120,12 @@ def test_bfloat16_in_bfloat16_out_and_any_leading_shape():
     out = layer(x.bfloat16())
     assert out.shape == (2, 3, 48) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), layer(x.bfloat16().float()), rtol=2 ** -8, atol=1e-3)
+
+
+def test_the_kernel_is_built_with_openmp_so_that_threads_split_the_groups():
+    """ATen's parallel_for is an OpenMP pragma in a header: built without -fopenmp, the kernel ran on one thread
+    whatever torch.set_num_threads said (two threads were no faster than one)."""
+    assert b"GOMP_parallel" in Path(blockdot_library()).read_bytes()
 
 
 def test_threads_split_the_groups_and_give_the_same_numbers():

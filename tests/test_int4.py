@@ -30,7 +30,8 @@ from minillm.fast.int4 import (
     scales_and_zeros,
     unpack_nibbles,
 )
-from minillm.fast.quant import PRECISIONS, MatVecLinear, greedy_match, load_precision, streamed_bytes
+from minillm.fast.precision import PRECISIONS, load_precision
+from minillm.fast.quant import MatVecLinear, greedy_match, streamed_bytes
 from minillm.model import empty_model
 
 pytestmark = pytest.mark.slow  # the C++ block kernel and SmolLM2

@@ -86,3 +86,33 @@ def test_the_compiled_static_step_agrees_with_the_int4_model(tiny_int4):
             spread = float(eager.abs().max())
             assert float((ours - eager).abs().max()) < 0.05 * spread
             position = position + 1
+
+
+def test_the_command_line_compiles_the_int4_step_where_it_can_and_says_so(tiny_int4):
+    """``python -m minillm --precision int4`` decodes with the compiled static step on a CPU with a compiler
+    (there it is the fast one), with the model's own forward otherwise, and the header line says which."""
+    from minillm import build_model
+    from minillm.fast.compiled import command_line_decoder
+
+    assert tiny_int4.config.max_seq_len == 64
+    decoder, text = command_line_decoder(tiny_int4, 10, 20)
+    if find_compiler(CPU):
+        assert decoder.backend == "compile" and decoder.cache.max_len == 64  # 30, rounded up to 256, capped
+        assert text.startswith("the static step compiled for 64 positions, torch.compile")
+    else:
+        assert decoder is None and "cannot compile here" in text
+    assert command_line_decoder(tiny_int4, 10, 20, "eager") == (None, "eager (CausalLM.forward, as asked)")
+    float_model = build_model("tiny")  # no block kernel: compiling buys little, auto keeps the eager step
+    decoder, text = command_line_decoder(float_model, 10, 20)
+    assert decoder is None and "--step compiled compiles the static step" in text
+    with pytest.raises(ValueError, match="step='jit'; choose one of"):
+        command_line_decoder(tiny_int4, 10, 20, "jit")
+
+
+def test_the_demo_prints_the_step_it_decodes_with(capsys):
+    from minillm import demo
+
+    assert demo.main(["--precision", "int4", "--max-new-tokens", "4", "--device", "cpu", "--step", "eager"]) == 0
+    out = capsys.readouterr().out
+    assert "decode step: eager (CausalLM.forward, as asked)" in out
+    assert out.index("decode step:") < out.index("--- output")

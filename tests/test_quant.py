@@ -289,7 +289,7 @@ def test_bfloat16_variant_routes_every_matmul_through_matvec_and_agrees_with_f_l
 
 
 def test_load_precision_builds_each_named_variant():
-    from minillm.fast.quant import PRECISIONS, load_precision
+    from minillm.fast.precision import PRECISIONS, load_precision
 
     assert list(PRECISIONS) == ["float32", "bfloat16", "int8", "int4"]
     for precision, head in [("float32", nn.Linear), ("bfloat16", MatVecLinear), ("int8", Int8Linear)]:

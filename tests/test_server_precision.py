@@ -6,16 +6,21 @@ import torch
 import torch.nn as nn
 
 from minillm import generate
-from minillm.engine import Engine, Request
+from minillm.cli_common import load_from_args, weights_name, weights_text
+from minillm.engine import Engine, EngineConfig, Request
 from minillm.fast.int4 import kernels_used
 from minillm.fast.quant import Int8Linear, MatVecLinear
-from minillm.serving.cli import load, parse_args, weights_text
+from minillm.serving.cli import parse_args
 
 pytestmark = pytest.mark.slow  # serves SmolLM2
 
 
 def served_tokens(model, prompt: list[int], n: int) -> list[int]:
-    return Engine(model, max_batch_size=2).run([Request(0, prompt, n)]).requests[0].output_ids
+    return Engine(model, EngineConfig(max_batch_size=2)).run([Request(0, prompt, n)]).requests[0].output_ids
+
+
+def load(args):
+    return load_from_args(args, seed=args.seed)
 
 
 @pytest.mark.parametrize("precision, dtype, layer", [
@@ -26,14 +31,14 @@ def test_the_tiny_model_is_loaded_in_the_precision_asked_and_served(precision, d
     model, _, _ = load(args)
     assert model.dtype == dtype
     assert type(model.lm_head) is layer and type(model.model.layers[0].mlp.down_proj) is layer
-    assert weights_text(args).startswith(f"precision {precision}\n  weights: ")
+    assert weights_text(args, model).startswith(f"precision: {precision} (")
     prompt = [256, 72, 105]
     assert served_tokens(model, prompt, 6) == generate(model, prompt, 6)
 
 
 def test_without_precision_the_dtype_decides():
     args = parse_args(["--model", "tiny", "--device", "cpu"])
-    assert (args.precision, args.dtype, weights_text(args)) == (None, "float32", "float32")
+    assert (args.precision, args.dtype, weights_name(args)) == (None, None, "float32")
     model, _, _ = load(parse_args(["--model", "tiny", "--device", "cpu", "--dtype", "bfloat16"]))
     assert model.dtype == torch.bfloat16 and type(model.lm_head) is nn.Linear
 

@@ -29,28 +29,6 @@ namespace {
 constexpr int64_t BLOCK = 32;  // inputs per scale
 constexpr int64_t ROWS = 16;   // output rows a group
 
-// x (K,) -> qx (K,) int8 in -127..127, and per block its scale dx and dx sum(qx): the sum of the rounded x,
-// not of x, so that the rounding errors e meet Q4_1's weight d q + m, which is centred, and not d q alone:
-// d dx (q . qx) + m dx sum(qx) = w . x + w . e, while m sum(x) in its place would leave d q . e.
-template <typename scalar_t>
-void quantize_row(const scalar_t* x, int64_t K, int8_t* qx, float* dx, float* xsum) {
-  for (int64_t b = 0; b < K / BLOCK; ++b) {
-    float v[BLOCK], amax = 0.f;
-    for (int64_t t = 0; t < BLOCK; ++t) {
-      v[t] = static_cast<float>(x[b * BLOCK + t]);
-      amax = std::fmax(amax, std::fabs(v[t]));
-    }
-    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-    int32_t sum = 0;
-    for (int64_t t = 0; t < BLOCK; ++t) {
-      qx[b * BLOCK + t] = static_cast<int8_t>(std::lrintf(v[t] * inv));
-      sum += qx[b * BLOCK + t];
-    }
-    dx[b] = d;
-    xsum[b] = d * static_cast<float>(sum);
-  }
-}
-
 #if defined(__AVX512VNNI__)
 using ivec = __m512i;  // 16 rows a vector
 using fvec = __m512;
@@ -69,9 +47,17 @@ inline fvec halfs(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256
 inline fvec fzero() { return _mm512_setzero_ps(); }
 inline fvec fma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
 inline fvec mul(fvec a, fvec b) { return _mm512_mul_ps(a, b); }
+inline fvec add(fvec a, fvec b) { return _mm512_add_ps(a, b); }
 inline fvec splat(float v) { return _mm512_set1_ps(v); }
 inline fvec to_float(ivec v) { return _mm512_cvtepi32_ps(v); }
 inline void store(float* p, fvec v) { _mm512_storeu_ps(p, v); }
+inline fvec loadf(const float* p) { return _mm512_loadu_ps(p); }
+inline fvec vmax(fvec a, fvec b) { return _mm512_max_ps(a, b); }
+inline fvec vabs(fvec v) { return _mm512_abs_ps(v); }
+inline float hmax(fvec v) { return _mm512_reduce_max_ps(v); }
+inline ivec round_int(fvec v) { return _mm512_cvtps_epi32(v); }  // to nearest, ties to even
+inline int32_t hsum(ivec v) { return _mm512_reduce_add_epi32(v); }
+inline void store_int8(int8_t* p, ivec v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(v)); }
 #else  // AVX2: 8 rows a vector, a group in two halves
 using ivec = __m256i;
 using fvec = __m256;
@@ -90,10 +76,52 @@ inline fvec halfs(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(re
 inline fvec fzero() { return _mm256_setzero_ps(); }
 inline fvec fma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
 inline fvec mul(fvec a, fvec b) { return _mm256_mul_ps(a, b); }
+inline fvec add(fvec a, fvec b) { return _mm256_add_ps(a, b); }
 inline fvec splat(float v) { return _mm256_set1_ps(v); }
 inline fvec to_float(ivec v) { return _mm256_cvtepi32_ps(v); }
 inline void store(float* p, fvec v) { _mm256_storeu_ps(p, v); }
+inline fvec loadf(const float* p) { return _mm256_loadu_ps(p); }
+inline fvec vmax(fvec a, fvec b) { return _mm256_max_ps(a, b); }
+inline fvec vabs(fvec v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+inline float hmax(fvec v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline ivec round_int(fvec v) { return _mm256_cvtps_epi32(v); }  // to nearest, ties to even
+inline int32_t hsum(ivec v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+inline void store_int8(int8_t* p, ivec v) {  // 8 int32 in -127..127 -> 8 bytes
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(words, words));
+}
 #endif
+
+// x (K,) -> qx (K,) int8 in -127..127, and per block its scale dx and dx sum(qx): the sum of the rounded x,
+// not of x, so that the rounding errors e meet Q4_1's weight d q + m, which is centred, and not d q alone:
+// d dx (q . qx) + m dx sum(qx) = w . x + w . e, while m sum(x) in its place would leave d q . e.
+void quantize_row(const float* x, int64_t K, int8_t* qx, float* dx, float* xsum) {
+  constexpr int64_t V = BLOCK / LANES;  // vectors a block: 2 (AVX-512) or 4 (AVX2)
+  for (int64_t b = 0; b < K / BLOCK; ++b) {
+    fvec v[V], amax = fzero();
+    for (int64_t i = 0; i < V; ++i) {
+      v[i] = loadf(x + b * BLOCK + i * LANES);
+      amax = vmax(amax, vabs(v[i]));
+    }
+    const float d = hmax(amax) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    ivec sum = izero();
+    for (int64_t i = 0; i < V; ++i) {
+      const ivec q = round_int(mul(v[i], splat(inv)));
+      store_int8(qx + b * BLOCK + i * LANES, q);
+      sum = add(sum, q);
+    }
+    dx[b] = d;
+    xsum[b] = d * static_cast<float>(hsum(sum));
+  }
+}
 
 constexpr int64_t HALVES = ROWS / LANES;       // vectors a group: 1 (AVX-512) or 2 (AVX2)
 constexpr int64_t CHUNK = 4 * ROWS;            // bytes of one chunk: 4 inputs of 16 rows
@@ -105,7 +133,7 @@ void group_dot(const uint8_t* w, const at::Half* scales, const int8_t* qx, const
                int64_t blocks, float* y) {
   constexpr int64_t chunks = Q4 ? 4 : 8, per_block = Q4 ? 2 : 1;
   for (int64_t h = 0; h < HALVES; ++h) {
-    fvec acc = fzero();
+    fvec acc = fzero(), acc_m = fzero();  // two chains of multiply-adds, so that they overlap
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* blk = w + b * chunks * CHUNK + h * PART;
       const int8_t* xb = qx + b * BLOCK;
@@ -125,15 +153,15 @@ void group_dot(const uint8_t* w, const at::Half* scales, const int8_t* qx, const
       const ivec sum = add(lo, hi);
       const at::Half* s = scales + b * per_block * ROWS + h * LANES;
       acc = fma(to_float(sum), mul(halfs(s), splat(dx[b])), acc);  // d dx (q . qx)
-      if constexpr (Q4) acc = fma(halfs(s + ROWS), splat(xsum[b]), acc);  // + m dx sum(qx)
+      if constexpr (Q4) acc_m = fma(halfs(s + ROWS), splat(xsum[b]), acc_m);  // + m dx sum(qx)
     }
-    store(y + h * LANES, acc);
+    store(y + h * LANES, add(acc, acc_m));
   }
 }
 
-template <bool Q4, typename scalar_t>
-void block_mm_rows(const scalar_t* x, int64_t M, int64_t K, const uint8_t* w, const at::Half* s, int64_t groups,
-                   int64_t out_features, scalar_t* y) {
+template <bool Q4>
+void block_mm_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, const at::Half* s, int64_t groups,
+                   int64_t out_features, float* y) {
   const int64_t blocks = K / BLOCK, w_stride = blocks * (Q4 ? 4 : 8) * CHUNK, s_stride = blocks * (Q4 ? 2 : 1) * ROWS;
   std::vector<int8_t> qx(M * K);  // the activations as int8, and per block their scale and sum
   std::vector<float> dx(M * blocks), xsum(M * blocks);
@@ -147,18 +175,20 @@ void block_mm_rows(const scalar_t* x, int64_t M, int64_t K, const uint8_t* w, co
       for (int64_t i = 0; i < M; ++i) {  // a group's weights stay in cache across the rows of x
         group_dot<Q4>(w + g * w_stride, s + g * s_stride, qx.data() + i * K, dx.data() + i * blocks,
                       xsum.data() + i * blocks, blocks, out);
-        for (int64_t r = 0; r < rows; ++r) y[i * out_features + g * ROWS + r] = static_cast<scalar_t>(out[r]);
+        std::copy(out, out + rows, y + i * out_features + g * ROWS);
       }
     }
   });
 }
 
+// x (..., K) -> y (..., out_features): every row of x times the weight.
 template <bool Q4>
 at::Tensor block_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t out_features) {
   const int64_t chunks = Q4 ? 4 : 8, per_block = Q4 ? 2 : 1;
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && scales.dim() == 4, "block_mm: x (M, K), weight (G, B, bytes), "
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 3 && scales.dim() == 4, "block_mm: x (..., K), weight (G, B, bytes), "
               "scales (G, B, ", per_block, ", 16)");
-  const int64_t M = x.size(0), K = x.size(1), groups = weight.size(0), blocks = weight.size(1);
+  const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1), groups = weight.size(0),
+                blocks = weight.size(1);
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.size(2) == chunks * CHUNK,
               "block_mm: weight must be contiguous uint8 (G, B, ", chunks * CHUNK, ")");
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(0) == groups &&
@@ -169,16 +199,13 @@ at::Tensor block_mm(const at::Tensor& x, const at::Tensor& weight, const at::Ten
               out_features, " does not fit ", groups, " groups of ", ROWS, " rows");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "block_mm: x must be float32 or bfloat16, got ", x.scalar_type());
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({M, out_features}, x.options());
-  const uint8_t* w = weight.data_ptr<uint8_t>();
-  const at::Half* s = scales.data_ptr<at::Half>();
-  if (x.scalar_type() == at::kFloat) {
-    block_mm_rows<Q4>(xc.data_ptr<float>(), M, K, w, s, groups, out_features, y.data_ptr<float>());
-  } else {
-    block_mm_rows<Q4>(xc.data_ptr<at::BFloat16>(), M, K, w, s, groups, out_features, y.data_ptr<at::BFloat16>());
-  }
-  return y;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // bfloat16 in: rounded to int8 from float32 all the same
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = out_features;
+  at::Tensor y = at::empty(shape, xf.options());
+  block_mm_rows<Q4>(xf.data_ptr<float>(), M, K, weight.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), groups,
+                    out_features, y.data_ptr<float>());
+  return y.to(x.scalar_type());
 }
 
 at::Tensor q4_1_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales, int64_t out_features) {

@@ -59,29 +59,39 @@ def kernel_isa() -> str | None:
 
 
 @functools.cache
-def blockdot_problem() -> str | None:
-    """Why the block kernel cannot run here (None: it is built, loaded and registered)."""
+def _build() -> tuple[str | None, str | None]:
+    """(the loaded library's path, None), or (None, why the block kernel cannot run here)."""
     isa = kernel_isa()
     if isa is None:
-        return (f"the block kernel needs an x86 CPU with AVX2 (PyTorch's code path here: "
-                f"{torch.backends.cpu.get_cpu_capability()})")
+        return None, (f"the block kernel needs an x86 CPU with AVX2 (PyTorch's code path here: "
+                      f"{torch.backends.cpu.get_cpu_capability()})")
     if not any(shutil.which(name) for name in (os.environ.get("CXX", "c++"), "c++", "g++")):
-        return "the block kernel is compiled on first use and no C++ compiler (c++, g++ or $CXX) is on the PATH"
+        return None, "the block kernel is compiled on first use and no C++ compiler (c++, g++ or $CXX) is on the PATH"
     from torch.utils.cpp_extension import load
-    try:
-        load(name=f"minillm_blockdot_{isa}", sources=[str(SOURCE)], extra_cflags=["-O3", *FLAGS[isa]],
-             is_python_module=False, verbose=False)
+    try:  # OpenMP: ATen's parallel_for splits the groups of rows across threads only in code built with it
+        path = load(name=f"minillm_blockdot_{isa}", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp",
+                    *FLAGS[isa]], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError) as error:  # a failed build: say so, fall back
-        return f"building the block kernel failed: {str(error).splitlines()[0]}"
+        return None, f"building the block kernel failed: {str(error).splitlines()[0]}"
     _register_fakes()
-    return None
+    return str(path), None
+
+
+def blockdot_problem() -> str | None:
+    """Why the block kernel cannot run here (None: it is built, loaded and registered)."""
+    return _build()[1]
+
+
+def blockdot_library() -> str | None:
+    """The path of the compiled block kernel (None where it cannot run)."""
+    return _build()[0]
 
 
 def _register_fakes() -> None:
-    """Shapes for ``torch.compile``: each op returns (M, out_features) in x's dtype."""
+    """Shapes for ``torch.compile``: each op returns (..., out_features) in x's dtype."""
     for name in ("q4_1_mm", "q8_0_mm"):
         torch.library.register_fake(f"minillm::{name}")(
-            lambda x, weight, scales, out_features: x.new_empty(x.shape[0], out_features))
+            lambda x, weight, scales, out_features: x.new_empty(*x.shape[:-1], out_features))
 
 
 def _grouped(t: torch.Tensor) -> torch.Tensor:
@@ -161,8 +171,7 @@ class BlockLinear(nn.Module):
         return unpack(self.weight, self.scales, self.out_features).to(dtype or torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # (N, in)
-        return self.op(rows, self.weight, self.scales, self.out_features).view(*x.shape[:-1], self.out_features)
+        return self.op(x, self.weight, self.scales, self.out_features)  # (..., in) -> (..., out)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.block_type} blocks"

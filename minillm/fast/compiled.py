@@ -12,19 +12,30 @@ that replays with one launch).
 
     decoder = StaticDecoder(model, max_len=256)  # compiled where a compiler is present
     tokens = decoder.generate(prompt_ids, max_new_tokens=64)
+    for event in decoder.stream(prompt_ids, 64, sampling, eos_token_id, seed): ...  # as stream_generate
+
+What the compiled step still pays on a CPU each call is Python: the generated wrapper that
+calls each kernel, and the guards that check the call's inputs before it runs. The guards
+would check every weight of the model, each call; ``cpu_options`` turns those off (the
+decoder's model must not change after it is built) along with the wrapper's size checks.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
 import shutil
+from collections.abc import Iterator
 
 import torch
 
 from ..cache import Kernel, KVCache, causal_mask
-from ..generate import as_prompt_tensor, check_lengths
+from ..generate import TokenEvent, check_generation
+from ..intmath import ceil_div
 from ..model import CausalLM
-from ..validate import check_int
+from ..sampling import SamplingParams, sample
+from ..timing import now
+from ..validate import check_int, check_lengths
+from .blockdot import BlockLinear
 
 BACKENDS = ("auto", "compile", "eager")
 CXX_NAMES = ("g++", "c++", "clang++")
@@ -134,6 +145,20 @@ def cpu_vector_width() -> dict[str, int]:
     return {"cpp.simdlen": pick_vec_isa().bit_width()}  # 0 where it does not vectorize
 
 
+def cpu_options() -> dict:
+    """The CPU compile's options, those this torch has: the vector width (``cpu_vector_width``),
+    no guards on the model's modules and weights (each call checked every one of SmolLM2's 450
+    weights: 1 ms of a 7 ms int4 step), no size and alignment asserts in the generated wrapper."""
+    from torch._inductor import config
+
+    options = {**cpu_vector_width(), **{name: False for name in ("size_asserts", "alignment_asserts")
+                                        if hasattr(config, name)}}
+    skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.8
+    if skip is not None:
+        options["guard_filter_fn"] = skip
+    return options
+
+
 def compile_step(device: torch.device, backend: str):
     """``decode_step`` compiled for ``device`` (backend "compile"), or as it is."""
     if backend == "eager":
@@ -142,14 +167,15 @@ def compile_step(device: torch.device, backend: str):
         if find_compiler(device):
             return torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
         return torch.compile(decode_step, backend="cudagraphs", fullgraph=True)
-    return torch.compile(decode_step, fullgraph=True, options=cpu_vector_width())
+    return torch.compile(decode_step, fullgraph=True, options=cpu_options())
 
 
 class StaticDecoder:
-    """Greedy generation of one sequence: prefill by ``CausalLM.forward``, then the
-    static step. The KV cache (``max_len`` positions) is allocated once and keeps its
-    addresses, as a CUDA graph needs. ``backend``: "auto" compiles where possible, else
-    says why (``reason``); "compile" insists; "eager" runs the same step uncompiled.
+    """Generation of one sequence: prefill by ``CausalLM.forward``, then the static step. The KV
+    cache (``max_len`` positions) is allocated once and keeps its addresses, as a CUDA graph
+    needs. ``backend``: "auto" compiles where possible, else says why (``reason``); "compile"
+    insists; "eager" runs the same step uncompiled. The model must not change once the decoder
+    is built (the compiled step does not check it again).
     """
 
     def __init__(self, model: CausalLM, max_len: int, backend: str = "auto",
@@ -168,25 +194,64 @@ class StaticDecoder:
         if verbose:
             print(f"decode step: {self.reason}")
 
+    def stream(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams | None = None,
+               eos_token_id: int | None = None, seed: int | None = None) -> Iterator[TokenEvent]:
+        """``minillm.stream_generate``'s events, from the static step: each new token as a
+        TokenEvent, EOS included when it ends the run. Bad arguments raise here."""
+        ids, sampling = check_generation(self.model, prompt_ids, max_new_tokens, sampling,
+                                         eos_token_id, seed)
+        check_lengths(ids.shape[1], max_new_tokens, self.cache.max_len, "the decoder's max_len")
+        return self._stream(ids, max_new_tokens, sampling, eos_token_id, seed)
+
     @torch.inference_mode()
-    def generate(self, prompt_ids, max_new_tokens: int,
-                 eos_token_id: int | None = None) -> list[int]:
-        """Greedy new token ids (EOS included when it ends the run)."""
-        model, cache = self.model, self.cache
-        ids = as_prompt_tensor(prompt_ids, model.config.vocab_size, model.device)  # (1,T)
-        check_lengths(ids.shape[1], max_new_tokens, cache.max_len,
-                      "the decoder's max_len")
+    def _stream(self, ids: torch.Tensor, max_new_tokens: int, sampling: SamplingParams,
+                eos_token_id: int | None, seed: int | None) -> Iterator[TokenEvent]:
+        model, cache, device = self.model, self.cache, self.model.device
+        generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
         cache.reset()
-        token = model(ids, cache=cache)[:, -1].argmax(-1)  # prefill: (1,)
+        logits = model(ids, cache=cache)[:, -1]  # prefill: (1, vocab)
         position = cache.lengths.clone()  # (1,) where the next token goes
-        tokens = [token]
-        for _ in range(max_new_tokens - 1):
-            if eos_token_id is not None and int(token) == eos_token_id:
+        for index in range(max_new_tokens):
+            token = sample(logits, sampling, generator)  # (1,)
+            yield TokenEvent(int(token), index, "prefill" if index == 0 else "decode", now(device))
+            if int(token) == eos_token_id or index == max_new_tokens - 1:
                 break
-            logits = self.step(model, cache.k, cache.v, token[:, None], position)
-            token, position = logits.argmax(-1), position + 1  # (1,), (1,)
-            tokens.append(token)
+            logits = self.step(model, cache.k, cache.v, token[:, None], position)  # (1, vocab)
+            position = position + 1
         cache.end(position[:, None] - 1)  # the steps wrote every position before `position`
-        return torch.cat(tokens).tolist()
+
+    def generate(self, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None,
+                 sampling: SamplingParams | None = None, seed: int | None = None) -> list[int]:
+        """The new token ids (EOS included when it ends the run); greedy by default."""
+        return [e.token_id for e in self.stream(prompt_ids, max_new_tokens, sampling,
+                                                eos_token_id, seed)]
 
 
+STEPS = ("auto", "compiled", "eager")  # what ``python -m minillm --step`` decodes with
+LENGTH_BUCKET = 256  # a decoder's max_len, rounded up: one compiled step serves many prompt lengths
+
+
+def command_line_decoder(model: CausalLM, prompt_len: int, max_new_tokens: int,
+                         step: str = "auto") -> tuple[StaticDecoder | None, str]:
+    """The decoder the command line streams from (None: the model's own cached path,
+    ``stream_generate``) and the line that says which. "auto" compiles the static step where
+    the model's matmuls run the block kernel (the file's int4 blocks on an x86 CPU) and a C++
+    compiler exists: there it is the fast path (``benchmarks/bench_peers.py``) and the compile
+    (tens of seconds the first time, seconds once inductor's cache holds it) pays back within a
+    reply. max_len is rounded up to a multiple of ``LENGTH_BUCKET`` so that other prompts reuse
+    the compiled step."""
+    if step not in STEPS:
+        raise ValueError(f"step={step!r}; choose one of {STEPS}")
+    if step == "eager":
+        return None, "eager (CausalLM.forward, as asked)"
+    block_kernel = any(isinstance(m, BlockLinear) for m in model.modules())
+    if step == "auto" and not (block_kernel and model.device.type == "cpu"):
+        return None, "eager (CausalLM.forward; --step compiled compiles the static step)"
+    backend = "compile" if step == "compiled" else "auto"
+    max_len = min(ceil_div(prompt_len + max_new_tokens, LENGTH_BUCKET) * LENGTH_BUCKET,
+                  model.config.max_seq_len)
+    decoder = StaticDecoder(model, max_len, backend)
+    if decoder.backend == "eager":
+        return None, f"eager (CausalLM.forward; the static step cannot compile here: {decoder.reason})"
+    return decoder, (f"the static step compiled for {max_len} positions, {decoder.reason} (the first "
+                     "run compiles for tens of seconds; --step eager skips it)")

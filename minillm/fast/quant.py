@@ -14,8 +14,7 @@ Fewer bytes stored are not fewer bytes moved: the kernel decides. ``MatVecLinear
 one token's bfloat16 matmuls around a CPU kernel that rearranges the weight first.
 ``make_variant(model, name)`` builds each variant from a float32 model; ``streamed_bytes``
 counts what one decode step reads; ``mean_nll`` and ``greedy_match`` measure quality.
-``load_precision(name, precision)`` turns a checkpoint and one of ``PRECISIONS`` into a model; its
-"int4" is the GGUF file's own 4-bit weights (``minillm.fast.int4``), not a quantization of float32.
+``minillm.fast.precision.load_precision`` names these variants, with the GGUF file's own 4-bit weights.
 """
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..checkpoints.hf import load_state_dict_into
-from ..checkpoints.pretrained import load_pretrained
 from ..model import CausalLM, empty_model
 
 KERNELS = ("auto", "int8pack", "dequant")
@@ -39,16 +37,6 @@ VARIANTS: dict[str, str] = {
     "int8": "int8 weights, a bfloat16 scale per output row, bfloat16 activations",
     "int8-dequant": "the same int8 weights, dequantized before every F.linear",
 }
-PRECISIONS: dict[str, str] = {  # what ``load_precision`` (and ``python -m minillm --precision``) offers
-    "float32": VARIANTS["float32"],
-    "bfloat16": "bfloat16 weights and activations, one token's matmuls as matrix-vector products",
-    "int8": VARIANTS["int8"],
-    "int4": "the GGUF file's own Q4_1 weights (4 bits, a scale and a minimum per 32) and Q8_0 head, through "
-            "the block kernel (int8 activations, float32 around it) where the CPU has AVX2, else PyTorch's int4 "
-            "kernel (bfloat16 activations, the head as two 4-bit planes)",
-}
-
-
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: ``weight ~ q * scales[:, None]``.
 
@@ -239,23 +227,6 @@ def make_variant(model: CausalLM, name: str) -> CausalLM:
     elif name.startswith("int8"):
         quantize_model(copy, "dequant" if name == "int8-dequant" else "auto")
     return copy
-
-
-def load_precision(name_or_path="smollm2-135m-instruct", precision: str = "float32", device="cpu",
-                   **load_kwargs):
-    """(model, tokenizer) of a checkpoint (as ``load_pretrained`` takes it) in one of ``PRECISIONS``.
-
-    "float32": as loaded; "bfloat16" and "int8": ``make_variant`` of it; "int4": the GGUF file's own 4-bit
-    weights, loaded as they are (``minillm.fast.int4.load_int4``: a GGUF file or a packaged name only).
-    """
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose one of {list(PRECISIONS)}")
-    if precision == "int4":
-        from .int4 import load_int4  # int4 builds on this module's MatVecLinear
-
-        return load_int4(name_or_path, device)
-    model, tokenizer = load_pretrained(name_or_path, device=device, **load_kwargs)
-    return (model if precision == "float32" else make_variant(model, precision)), tokenizer
 
 
 def streamed_bytes(model: CausalLM) -> int:

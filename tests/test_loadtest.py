@@ -64,3 +64,15 @@ def test_load_sweep_order_and_capacity_runs(tiny_model):
         assert p.window.completions > 0 and p.completed == p.window.rate
         assert p.latencies().n_completed == len(steady_requests(p.result))
         assert 0.5 < p.offered / (p.load * sweep.capacities[0]) < 2  # the first capacity sets the rates
+
+
+def test_an_overloaded_run_counts_its_queue_emptying(tiny_model):
+    # Three times the capacity: the arrivals end long before the queue empties. The window still holds
+    # every completion but the first wave's and the last batch's, so its rate is the engine's.
+    sweep = load_sweep(lambda: engine_of(tiny_model), loads=(3.0,), n=48, repeats=1, workload=CHAT,
+                       users=4, capacity_requests=24)
+    (point,) = sweep.points
+    last_arrival = max(r.arrival_time for r in point.result.requests)
+    assert point.window.end > last_arrival  # the window outlives the arrivals
+    assert point.window.completions >= 48 - 2 * 4
+    assert point.completed < point.offered / 1.5  # the engine could not keep up

@@ -1,7 +1,8 @@
-"""A soak run: minutes of mixed load on ``python -m minillm serve --model tiny``, then the books are checked.
+"""A soak run: minutes of mixed load on ``python -m minillm serve --model tiny``, then the books are checked;
+then victims beside hostile clients, against the same victims alone.
 
-    python benchmarks/soak.py --seconds 180            # the README's run
-    python benchmarks/soak.py --seconds 20 --requests 60   # tests/test_soak.py
+    python benchmarks/soak.py --seconds 180 --hostile-seconds 60   # the README's run
+    python benchmarks/soak.py --seconds 20 --requests 60 --hostile-seconds 8   # tests/test_soak.py
 
 The server runs as a child process on 127.0.0.1 (``minillm.serving.launch_server``) with a KV pool small
 enough that requests are preempted (``--num-blocks``). ``--concurrency`` clients send, until ``--seconds``
@@ -30,15 +31,32 @@ At the end it checks, prints its figures, and exits 1 if a check fails:
 4. the server's resident memory (VmRSS, /proc/PID/status) grew by at most ``--max-rss-growth-mb`` from
    after the warm-up to the end.
 
-Traffic goes to 127.0.0.1 only; the run is bounded in time (``--seconds`` plus the checks) and in count.
+Then, on a second server with the default limits, ``VICTIMS`` clients stream greedy completions back to
+back for ``--hostile-seconds``, twice: alone (the baseline), then beside hostile clients (``HOSTILE``, run
+by this script in a process of their own so that they do not slow the victims' client): streams that
+stop reading, bodies that drip a byte at a time (before and after a response), headers that never end,
+bodies at the size limit sent back to back, pollers of the engine's records, JSON nested 100,000 deep.
+It prints, for both runs, the victims' tokens/s, their longest gap between two tokens, ``/health``'s
+slowest answer and the server's peak resident memory (VmRSS sampled every 20 ms), and checks that no
+victim lost or repeated a token (each stream's tokens equal ``generate()`` alone), that the server kept
+its memory within what its limits allow (``memory_bound_mb``) and that it still serves. The speed targets
+(victims keep ``TARGET_SHARE`` of their tokens/s, no gap over ``TARGET_GAP_S``) are printed met or missed;
+``--strict-targets`` makes a missed one fail the run.
+
+Traffic goes to 127.0.0.1 only; the run is bounded in time (``--seconds``, twice ``--hostile-seconds``, plus
+the checks) and in count.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import random
+import socket
+import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -56,6 +74,19 @@ _pool = random.Random(POOL_SEED)
 PROMPTS = [[_pool.randrange(256) for _ in range(_pool.randint(4, 48))] for _ in range(32)]
 CHAT_TEXTS = ["".join(chr(_pool.randrange(32, 127)) for _ in range(_pool.randint(4, 40))) for _ in range(16)]
 SAMPLED = [(_pool.randrange(len(PROMPTS)), _pool.randrange(2**31)) for _ in range(12)]  # (prompt, seed)
+
+VICTIMS, VICTIM_TOKENS = 4, 200  # clients streaming greedy completions of this many tokens, back to back
+HOSTILE = {  # kind: clients of that kind
+    "stalled reader": 2,  # a stream of 2,000 tokens with 20 log-probs each (4-5 MB), never read
+    "dripping body": 4,  # a body's bytes, one every 0.5 s
+    "dripping after a response": 2,  # GET /health with a chunked body that never ends
+    "headers that never end": 2,  # one header byte every 0.5 s
+    "body at the size limit": 2,  # 4 MiB of token ids, sent back to back
+    "record poller": 3,  # GET /minillm/requests, back to back
+    "deep JSON": 1,  # [[[[... 100,000 deep, back to back
+}
+TARGET_SHARE, TARGET_GAP_S = 0.8, 1.0  # victims keep 80% of their tokens/s; no gap between tokens over 1 s
+MAX_BODY_BYTES, MAX_TRANSIT_BYTES = 4 * 2**20, 16 * 2**20  # the server's defaults (--max-body-bytes, ...)
 
 
 @dataclass
@@ -337,6 +368,11 @@ def parse_args(argv):
     parser.add_argument("--max-rss-growth-mb", type=float, default=100.0,
                         help="the server's RSS may grow this much from the warm-up to the end (default 100)")
     parser.add_argument("--threads", type=int, default=1, help="the server's torch threads (default 1)")
+    parser.add_argument("--hostile-seconds", type=float, default=30.0,
+                        help="victims alone, then beside hostile clients, this long each (default 30; 0: skip)")
+    parser.add_argument("--strict-targets", action="store_true",
+                        help="a missed speed target (victims' tokens/s, longest gap) fails the run")
+    parser.add_argument("--hostile", nargs=2, metavar=("PORT", "SECONDS"), help=argparse.SUPPRESS)  # the clients
     args = parser.parse_args(argv)
     for name in ("seconds", "requests", "concurrency", "num_blocks", "request_timeout"):
         if not getattr(args, name) > 0:
@@ -346,6 +382,9 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.hostile:  # this script, started by hostile_phase: be the hostile clients
+        print(json.dumps(run_hostile(int(args.hostile[0]), float(args.hostile[1]))))
+        return 0
     from minillm.serving import launch_server
 
     server_args = ["--model", "tiny", "--seed", str(args.seed), "--device", "cpu", "--threads", str(args.threads),
@@ -365,7 +404,10 @@ def main(argv: list[str] | None = None) -> int:
         rss_end = rss_kb(pid)
         preempted = preemptions(base)
         server_alive = server.process.poll() is None
-    return report(args, books, before, after, rss_start, rss_end, duration, health_latency, server_alive, preempted)
+    status = report(args, books, before, after, rss_start, rss_end, duration, health_latency, server_alive, preempted)
+    if args.hostile_seconds > 0:
+        status |= hostile_phase(args)
+    return status
 
 
 def report(args, books: Books, before: dict, after: dict, rss_start: int, rss_end: int,
@@ -421,6 +463,303 @@ def report(args, books: Books, before: dict, after: dict, rss_start: int, rss_en
         print(f"  {'PASS' if ok else 'FAIL'}  {name}" + ("" if ok else f": {detail}"))
     print("soak: " + ("all checks passed" if not failed_checks else f"{failed_checks} check(s) FAILED"))
     return 1 if failed_checks else 0
+
+
+
+# ---- victims beside hostile clients -----------------------------------------------------------------------
+@dataclass
+class Window:
+    """What the victims saw in one run of ``--hostile-seconds``."""
+
+    streams: list[Outcome] = field(default_factory=list)
+    tokens: int = 0  # tokens of the victims' streams that arrived within the window
+    longest_gap: float = 0.0  # s, the longest wait for the next token of a stream
+    health: list[float] = field(default_factory=list)  # s, /health's answers
+    peak_rss_kb: int = 0
+    seconds: float = 0.0
+    hostile: dict = field(default_factory=dict)  # what the hostile clients did (their process's summary)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+async def victims(base: str, seconds: float, window: Window) -> None:
+    """``VICTIMS`` clients streaming greedy completions back to back for ``seconds``, and a /health pinger."""
+    import httpx
+
+    end = time.monotonic() + seconds
+    async with httpx.AsyncClient(timeout=60, trust_env=False, limits=httpx.Limits(max_connections=None)) as client:
+        async def victim(v: int) -> None:
+            rng = random.Random(1000 + v)
+            while time.monotonic() < end:
+                prompt = rng.choice(PROMPTS)
+                out = Outcome(len(window.streams), "victim", "error", prompt_ids=prompt, max_tokens=VICTIM_TOKENS)
+                window.streams.append(out)
+                body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": VICTIM_TOKENS, "ignore_eos": True,
+                        "return_token_ids": True, "temperature": 0.0, "stream": True}
+                last = None
+                try:
+                    async with client.stream("POST", base + "/v1/completions", json=body) as response:
+                        done = 0
+                        async for line in response.aiter_lines():
+                            event = parse_sse(line)
+                            if event == "[DONE]":
+                                done += 1
+                            elif isinstance(event, dict) and event.get("choices"):
+                                now = time.monotonic()
+                                ids = event["choices"][0].get("token_ids") or []
+                                out.output_ids += ids
+                                if now < end:
+                                    window.tokens += len(ids)
+                                if last is not None and ids:
+                                    window.longest_gap = max(window.longest_gap, now - last)
+                                last = now if ids else last
+                    out.outcome = "completed" if done == 1 and len(out.output_ids) == VICTIM_TOKENS else "error"
+                    out.detail = f"[DONE] x {done}, {len(out.output_ids)} tokens, HTTP {response.status_code}"
+                except Exception as error:  # a victim's failure is counted, never raised
+                    out.detail = f"{type(error).__name__}: {error}"[:200]
+
+        async def pinger() -> None:
+            while time.monotonic() < end:
+                t = time.monotonic()
+                try:
+                    (await client.get(base + "/health", timeout=10)).raise_for_status()
+                    window.health.append(time.monotonic() - t)
+                except Exception:  # a failed ping is the worst latency there is
+                    window.health.append(float("inf"))
+                await asyncio.sleep(0.1)
+
+        start = time.monotonic()
+        await asyncio.gather(pinger(), *(victim(v) for v in range(VICTIMS)))
+        window.seconds = min(seconds, time.monotonic() - start)
+
+
+def sample_rss(pid: int, stop: threading.Event, window: Window) -> None:
+    while not stop.wait(0.02):
+        try:
+            window.peak_rss_kb = max(window.peak_rss_kb, rss_kb(pid))
+        except (OSError, RuntimeError):  # the server has exited
+            return
+
+
+def run_window(server, seconds: float, hostile: bool) -> Window:
+    """The victims for ``seconds`` (and, with ``hostile``, the hostile clients in a process of their own)."""
+    window, stop = Window(), threading.Event()
+    sampler = threading.Thread(target=sample_rss, args=(server.process.pid, stop, window))
+    sampler.start()
+    clients = subprocess.Popen([sys.executable, __file__, "--hostile", str(server.port), str(seconds)],
+                               stdout=subprocess.PIPE, text=True) if hostile else None
+    try:
+        asyncio.run(victims(server.base, seconds, window))
+    finally:
+        if clients is not None:
+            out, _ = clients.communicate(timeout=seconds + 120)
+            window.hostile = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"error": "no summary"}
+        stop.set()
+        sampler.join()
+    return window
+
+
+def memory_bound_mb() -> float:
+    """How much more resident memory than without them the hostile clients may cost the server: the bodies
+    in transit (``--max-transit-bytes``), one body being parsed (its Python objects: about six times its
+    bytes, measured for 4 MiB of token ids), the stalled streams' buffered events (``max_buffered_outputs``
+    of about 3 KB, with 20 log-probs each), and 64 MB for allocator slack and thread stacks."""
+    return (MAX_TRANSIT_BYTES + 6 * MAX_BODY_BYTES + HOSTILE["stalled reader"] * 1024 * 3000) / 2**20 + 64
+
+
+def hostile_phase(args) -> int:
+    """Victims alone, then beside the hostile clients, on a server with the default limits; the figures,
+    the checks and the targets. Returns 1 if a check (or, with --strict-targets, a target) failed."""
+    from minillm.serving import launch_server
+
+    server_args = ["--model", "tiny", "--seed", str(args.seed), "--device", "cpu", "--threads", str(args.threads),
+                   "--max-batch-size", str(args.max_batch_size), "--no-access-log"]
+    print(f"\nhostile: python -m minillm serve {' '.join(server_args)}")
+    print(f"  {VICTIMS} victims streaming {VICTIM_TOKENS}-token greedy completions back to back, "
+          f"{args.hostile_seconds:g} s alone, then {args.hostile_seconds:g} s beside: "
+          + ", ".join(f"{n} x {kind}" for kind, n in HOSTILE.items()), flush=True)
+    with launch_server(server_args) as server:
+        baseline = run_window(server, args.hostile_seconds, hostile=False)
+        attacked = run_window(server, args.hostile_seconds, hostile=True)
+        after = wait_idle(server.base)
+        alive = server.process.poll() is None
+    return hostile_report(args, baseline, attacked, after, alive)
+
+
+def hostile_report(args, baseline: Window, attacked: Window, after: dict, alive: bool) -> int:
+    books = Books()
+    for out in baseline.streams + attacked.streams:
+        out.request_id = len(books.outcomes)
+        books.record(out)
+    checked, mismatched, examples, _ = reference_mismatches(books, args.seed)
+    failed_streams = [o for o in books.outcomes.values() if o.outcome != "completed"]
+    growth = (attacked.peak_rss_kb - baseline.peak_rss_kb) / 1024
+    share = attacked.tokens_per_s / baseline.tokens_per_s if baseline.tokens else 0.0
+
+    def worst_ms(w: Window) -> str:
+        return f"{1e3 * max(w.health):.0f}" if w.health else "n/a"
+
+    print(f"{'':<28}{'alone':>10}{'hostile':>10}")
+    print(f"{'victims: tokens/s':<28}{baseline.tokens_per_s:>10.1f}{attacked.tokens_per_s:>10.1f}"
+          f"   ({100 * share:.0f}% of alone)")
+    print(f"{'victims: longest gap (ms)':<28}{1e3 * baseline.longest_gap:>10.0f}{1e3 * attacked.longest_gap:>10.0f}")
+    print(f"{'/health: slowest (ms)':<28}{worst_ms(baseline):>10}{worst_ms(attacked):>10}"
+          f"   ({len(attacked.health)} pings)")
+    print(f"{'server: peak RSS (MB)':<28}{baseline.peak_rss_kb / 1024:>10.1f}{attacked.peak_rss_kb / 1024:>10.1f}"
+          f"   ({growth:+.1f} MB; bound {memory_bound_mb():.0f} MB)")
+    print("  hostile clients: " + ", ".join(f"{k} {v}" for k, v in attacked.hostile.items()))
+    checks = [
+        ("no victim lost or repeated a token (each stream equals generate() alone, [DONE] once)",
+         not failed_streams and mismatched == 0 and checked > 0,
+         f"{len(failed_streams)} failed ({'; '.join(o.detail for o in failed_streams[:3])}), "
+         f"{mismatched} of {checked} differ; " + "; ".join(examples)),
+        (f"the server's peak memory grew by at most {memory_bound_mb():.0f} MB", growth <= memory_bound_mb(),
+         f"{growth:+.1f} MB"),
+        ("all KV blocks free after the hostile clients, the server still running",
+         alive and (after["kv_blocks_used"], after["running"], after["waiting"]) == (0, 0, 0), str(after)),
+    ]
+    targets = [
+        (f"victims keep >= {100 * TARGET_SHARE:.0f}% of their tokens/s", share >= TARGET_SHARE, f"{100 * share:.0f}%"),
+        (f"no victim waits more than {TARGET_GAP_S:g} s for a token", attacked.longest_gap <= TARGET_GAP_S,
+         f"{attacked.longest_gap:.2f} s"),
+    ]
+    failed = 0
+    for name, ok, detail in checks:
+        failed += not ok
+        print(f"  {'PASS' if ok else 'FAIL'}  {name}" + ("" if ok else f": {detail}"))
+    for name, ok, detail in targets:
+        failed += args.strict_targets and not ok
+        print(f"  TARGET {'met' if ok else 'MISSED'}: {name} ({detail})")
+    print("hostile: " + ("all checks passed" if not failed else f"{failed} check(s) FAILED"))
+    return 1 if failed else 0
+
+
+# ---- the hostile clients (run in a process of their own: `soak.py --hostile PORT SECONDS`) -----------------
+def run_hostile(port: int, seconds: float) -> dict:
+    """Every ``HOSTILE`` client on a thread, for ``seconds``; what they got, counted."""
+    end, tally, lock = time.monotonic() + seconds, Counter(), threading.Lock()
+
+    def count(what: str) -> None:
+        with lock:
+            tally[what] += 1
+
+    def connect() -> socket.socket:
+        return socket.create_connection(("127.0.0.1", port), timeout=5)
+
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+
+    def status_of(sock: socket.socket) -> str:
+        """The response's status; after a 429 or 503 (or a connection closed on it) wait for its Retry-After
+        (1 s), as HTTP asks of any client."""
+        try:
+            reply = sock.recv(64)
+            status = reply.split(b" ")[1].decode() if reply.startswith(b"HTTP/1.1 ") else "closed"
+        except OSError:
+            status = "closed"
+        if status in ("429", "503", "closed"):
+            time.sleep(1.0)
+        return status
+
+    def until_closed(sock: socket.socket, drip: bytes) -> None:
+        """Send ``drip`` every 0.5 s until the server closes the connection (or the run ends); then wait 0.5 s
+        more before the next connection (a client that reconnects at once is a flood of requests, which only
+        a limit per client address stops, and every client here is 127.0.0.1)."""
+        sock.settimeout(0.5)
+        while time.monotonic() < end:
+            try:
+                sock.sendall(drip)
+                if sock.recv(65536) == b"":
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+        count("dripping connections closed by the server")
+        time.sleep(0.5)
+
+    def stalled() -> None:
+        body = json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2000,
+                           "ignore_eos": True, "logprobs": True, "top_logprobs": 20, "stream": True}).encode()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(head.replace(b"/v1/completions", b"/v1/chat/completions")
+                     + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        count("stalled streams")
+        time.sleep(max(0.0, end - time.monotonic()))
+        sock.close()
+
+    def dripping_body() -> None:
+        while time.monotonic() < end:
+            with connect() as sock:
+                sock.sendall(head + b"Content-Length: 100000\r\n\r\n{")
+                until_closed(sock, b" ")
+
+    def dripping_after_response() -> None:
+        while time.monotonic() < end:
+            with connect() as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+                until_closed(sock, b"1\r\nx\r\n")
+
+    def endless_headers() -> None:
+        while time.monotonic() < end:
+            with connect() as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+                until_closed(sock, b"a")
+
+    ids = json.dumps({"model": MODEL_NAME, "prompt": [7] * (MAX_BODY_BYTES // 3), "max_tokens": 1}).encode()
+    big = ids[:ids.rfind(b",", 0, MAX_BODY_BYTES - 32)] + b"], \"max_tokens\": 1}"  # just under the limit
+
+    def body_at_the_limit() -> None:
+        while time.monotonic() < end:
+            try:
+                with connect() as sock:
+                    sock.sendall(head + b"Content-Length: %d\r\n\r\n" % len(big) + big)
+                    count(f"bodies at the limit: {status_of(sock)}")
+            except OSError:  # refused before the body was all sent
+                count("bodies at the limit: closed while sending")
+                time.sleep(1.0)
+
+    deep = head + b"Content-Length: 100000\r\n\r\n" + b"[" * 100_000
+
+    def deep_json() -> None:
+        while time.monotonic() < end:
+            try:
+                with connect() as sock:
+                    sock.sendall(deep)
+                    count(f"deep JSON: {status_of(sock)}")
+            except OSError:
+                count("deep JSON: closed while sending")
+                time.sleep(1.0)
+
+    def poller() -> None:
+        request = b"GET /minillm/requests HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        while time.monotonic() < end:
+            try:
+                with connect() as sock:
+                    sock.sendall(request)
+                    status = status_of(sock)
+                    sock.settimeout(10)
+                    while sock.recv(1 << 20):
+                        pass
+                    count(f"record pages: {status}")
+            except OSError:
+                count("record pages: failed")
+                time.sleep(1.0)
+
+    kinds = {"stalled reader": stalled, "dripping body": dripping_body,
+             "dripping after a response": dripping_after_response, "headers that never end": endless_headers,
+             "body at the size limit": body_at_the_limit, "record poller": poller, "deep JSON": deep_json}
+    only = os.environ.get("SOAK_HOSTILE")  # a comma-separated subset of HOSTILE's kinds, to see each one's cost
+    chosen = {kind: n for kind, n in HOSTILE.items() if only is None or kind in only.split(",")}
+    threads = [threading.Thread(target=kinds[kind], daemon=True) for kind, n in chosen.items() for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()) + 30)
+    return dict(sorted(tally.items()))
 
 
 if __name__ == "__main__":

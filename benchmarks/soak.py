@@ -563,10 +563,11 @@ def run_window(server, seconds: float, hostile: bool) -> Window:
 
 def memory_bound_mb() -> float:
     """How much more resident memory than without them the hostile clients may cost the server: the bodies
-    in transit (``--max-transit-bytes``), one body being parsed (its Python objects: about six times its
-    bytes, measured for 4 MiB of token ids), the stalled streams' buffered events (``max_buffered_outputs``
-    of about 3 KB, with 20 log-probs each), and 64 MB for allocator slack and thread stacks."""
-    return (MAX_TRANSIT_BYTES + 6 * MAX_BODY_BYTES + HOSTILE["stalled reader"] * 1024 * 3000) / 2**20 + 64
+    in transit (``--max-transit-bytes``), one body being parsed (the parser's values and the list of Python
+    ints: about 20 times the bytes of a body of token ids), the stalled streams' buffered events
+    (``max_buffered_outputs`` of about 3 KB, with 20 log-probs each), and 64 MB for allocator slack and
+    thread stacks."""
+    return (MAX_TRANSIT_BYTES + 20 * MAX_BODY_BYTES + HOSTILE["stalled reader"] * 1024 * 3000) / 2**20 + 64
 
 
 def hostile_phase(args) -> int:

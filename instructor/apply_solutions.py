@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from minillm.book.labs import function_names
-from minillm.book.labs.notebooks import lab_cells
+from minillm.book.labs.cells import lab_cells
 
 SOLUTIONS = Path(__file__).resolve().parent / "solutions"
 

@@ -32,3 +32,19 @@ def preempt(running, free_blocks, block_size):
         free_blocks += len(victim.blocks)
         victims.append(victim)
     return victims
+
+
+def schedule_tokens(running, token_budget):
+    """How many tokens each running sequence computes this step: the decodes first, then the prefills in
+    order of admission, each as much of what it has left as the budget allows (chunked prefill)."""
+    plan = [0] * len(running)
+    left = [seq.num_tokens - seq.computed for seq in running]  # 1 for a decode, more for a prefill
+    for i in range(len(running)):
+        if left[i] == 1:
+            plan[i] = 1
+    budget = token_budget - sum(plan)
+    for i in range(len(running)):
+        if left[i] > 1 and budget > 0:
+            plan[i] = min(left[i], budget)
+            budget -= plan[i]
+    return plan

@@ -1,15 +1,21 @@
 """A step-by-step simulator of a batching scheduler over a paged KV block pool (lab 2.3).
 
-No model runs. Each step, every running sequence gets one token (a sequence admitted this step gets
-its first token from its prefill), and the simulator keeps the books an engine keeps: a waiting queue,
-the running batch in order of admission, and a pool of KV blocks of ``block_size`` tokens. Three rules
-decide who runs; they come from the caller (the learner):
+No model runs. Each step, every running sequence computes the tokens it has not computed yet (a
+sequence admitted this step its whole prompt, its prefill), and one whose every token is then computed
+gets its next token. The simulator keeps the books an engine keeps: a waiting queue, the running batch
+in order of admission, and a pool of KV blocks of ``block_size`` tokens. Three rules decide who runs;
+they come from the caller (the learner):
 
 * ``finished(seq, eos_token_id) -> bool``: is this sequence done after the token it just got?
 * ``admit(waiting, running, free_blocks, block_size, max_batch_size) -> list``: who starts this step;
 * ``preempt(running, free_blocks, block_size) -> list``: whom to evict when the running sequences need
   more blocks than are free (evicted ones free their blocks and wait at the front of the queue; when
   they are admitted again, their prompt and output so far are recomputed).
+
+With a ``token_budget`` (chunked prefill, as vLLM and Sarathi-Serve run it), a fourth rule,
+``schedule_tokens(running, token_budget) -> list``, says how many tokens each running sequence computes
+this step, at most ``token_budget`` in all: a long prompt is then prefilled a chunk at a time over
+several steps, and emits its first token in the step that computes its last prompt token.
 
 To run its next step a sequence must hold ``ceil(seq.num_tokens / block_size)`` blocks. The simulator
 never trusts a rule: whatever breaks the budget, the batch limit or a request's length is recorded
@@ -18,12 +24,11 @@ as a violation (and a run that breaks the budget stops there).
 One rule is the engine's own: whether a step may admit at all (static: only into an empty batch;
 continuous: every step, but not right after a preemption while others run) is
 ``minillm.engine.scheduler.may_admit``, which the engine's ``Scheduler`` asks too. The rest is kept
-model-free on purpose, and leaves out what the engine adds: time in steps instead of seconds; one
-token per running sequence per step, so no token budget and no chunked prefill (a prompt is
-prefilled whole in the step that admits it); no prefix caching; no rejection of requests that can
-never fit (the workloads fit); static padding rows cost nothing; and preemption asks the learner's
-rule for every victim at once before the step, where the engine preempts the newest running
-sequence while an older one cannot grow.
+model-free on purpose, and leaves out what the engine adds: time in steps instead of seconds; blocks
+for a sequence's whole prompt at admission, even when it is prefilled in chunks; no prefix caching; no
+rejection of requests that can never fit (the workloads fit); static padding rows cost nothing; and
+preemption asks the learner's rule for every victim at once before the step, where the engine
+preempts the newest running sequence while an older one cannot grow.
 """
 from __future__ import annotations
 
@@ -33,11 +38,13 @@ from dataclasses import dataclass, field
 
 from ...engine import blocks_for
 from ...engine.scheduler import may_admit
+from . import wire
 from .checker import LearnerError, call, wrong_value
 
 EOS = 2  # the end-of-sequence token id of the simulated model
 
 
+@wire.register_class
 @dataclass
 class Seq:
     """One request inside the simulator. Rules read these fields; they must not change them."""
@@ -52,6 +59,13 @@ class Seq:
     blocks: list[int] = field(default_factory=list)  # ids of the KV blocks it holds
     token_steps: list[int] = field(default_factory=list)  # the step of each output token
     finish_step: int | None = None
+    computed: int = 0  # tokens (prompt, then output) whose keys and values are in the cache
+
+    @property
+    def to_compute(self) -> int:
+        """Tokens it must compute before its next token: its prompt (or what is left of it) when it is
+        prefilling, 1 (its last token) when it decodes."""
+        return self.num_tokens - self.computed
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +84,7 @@ class Seq:
                 f"max_tokens={self.max_tokens}, blocks={len(self.blocks)})")
 
 
+@wire.register_class
 @dataclass(frozen=True)
 class Spec:
     """A request of a workload (the simulator makes a fresh Seq of it for each run)."""
@@ -95,6 +110,13 @@ class SimResult:
     # of one that waited longer; ("oldest", ...) when preempt evicts an older sequence and keeps a newer
     # one; ("too many", ...) when it evicts more than the others need
     policy_breaks: list[tuple[str, str]] = field(default_factory=list)
+    tokens_per_step: list[int] = field(default_factory=list)  # tokens computed in each step
+    decode_waits: int = 0  # times a decoding sequence computed nothing in a step (a stall)
+    idle_budget: int = 0  # steps that left part of the token budget unused while a running sequence waited
+
+    def largest_gap(self) -> int:
+        """The most steps between two consecutive tokens of one request (1: a token every step)."""
+        return max((b - a for s in self.seqs for a, b in zip(s.token_steps, s.token_steps[1:])), default=0)
 
     @property
     def complete(self) -> bool:
@@ -143,13 +165,34 @@ def _judge_eviction(step: int, running: list[Seq], victims: list[Seq], free: int
                                    f"the newest {enough} was enough"))
 
 
+def _planned(schedule_tokens, running: list[Seq], token_budget: int, step: int, result: SimResult) -> list[int]:
+    """The learner's tokens for each running sequence this step, checked; None after a violation."""
+    plan = call(schedule_tokens, list(running), token_budget)
+    if not isinstance(plan, (list, tuple)) or len(plan) != len(running) or not all(
+            isinstance(n, int) and not isinstance(n, bool) for n in plan):
+        raise wrong_value("schedule_tokens", plan, f"a list of {len(running)} ints (one per running sequence)")
+    over = next((s for s, n in zip(running, plan) if not 0 <= n <= s.to_compute), None)
+    if over is not None:
+        n = plan[running.index(over)]
+        result.violations.append(f"step {step}: schedule_tokens gave request {over.request_id} {n} tokens; it "
+                                 f"has {over.to_compute} to compute")
+        return None
+    if sum(plan) > token_budget:
+        result.violations.append(f"step {step}: schedule_tokens planned {sum(plan)} tokens with a budget of "
+                                 f"{token_budget}")
+        return None
+    return list(plan)
+
+
 def simulate(specs: list[Spec], admit, finished, preempt, num_blocks: int, block_size: int,
-             max_batch_size: int, policy: str = "continuous", max_steps: int = 5000) -> SimResult:
+             max_batch_size: int, policy: str = "continuous", max_steps: int = 5000,
+             token_budget: int | None = None, schedule_tokens=None) -> SimResult:
     """Run ``specs`` to the end under the three rules; ``policy`` "continuous" or "static".
 
     continuous: admission every step (except a step that had to preempt while others still run), and a
     finished sequence frees its blocks at once. static: a batch is admitted only when nothing runs, and
-    its finished sequences keep their blocks until the whole batch is done.
+    its finished sequences keep their blocks until the whole batch is done. ``token_budget`` and
+    ``schedule_tokens``: at most that many tokens a step, shared out by the learner's rule.
     """
     if policy not in ("continuous", "static"):
         raise ValueError(f"policy={policy!r} must be 'continuous' or 'static'")
@@ -183,6 +226,7 @@ def simulate(specs: list[Spec], admit, finished, preempt, num_blocks: int, block
             for victim in victims:  # newest first: the oldest victim ends up at the front of the queue
                 running.remove(victim)
                 release(victim)
+                victim.computed = 0  # its cache is gone: recomputed when it runs again
                 waiting.appendleft(victim)
             preempted, result.preemptions = bool(victims), result.preemptions + len(victims)
             short = sum(_need(s, block_size) for s in running) - len(free)
@@ -222,10 +266,25 @@ def simulate(specs: list[Spec], admit, finished, preempt, num_blocks: int, block
         result.peak_blocks = max(result.peak_blocks, num_blocks - len(free))
         result.peak_batch = max(result.peak_batch, len(running))
         result.running_per_step.append(len(running))
-        for s in running:
-            s.output.append(EOS if s.eos_at == len(s.output) + 1 else 100 + len(s.output))
-            s.token_steps.append(step)
-        for s in list(running):
+        if token_budget is None:
+            plan = [s.to_compute for s in running]
+        else:
+            plan = _planned(schedule_tokens, running, token_budget, step, result)
+            if plan is None:
+                break
+        result.tokens_per_step.append(sum(plan))
+        if token_budget is not None and sum(plan) < token_budget and any(
+                n < s.to_compute for s, n in zip(running, plan)):
+            result.idle_budget += 1
+        emitted = []
+        for s, n in zip(running, plan):
+            result.decode_waits += n == 0 and s.to_compute == 1
+            s.computed += n
+            if s.computed == s.num_tokens:  # every token computed: the step samples its next one
+                s.output.append(EOS if s.eos_at == len(s.output) + 1 else 100 + len(s.output))
+                s.token_steps.append(step)
+                emitted.append(s)
+        for s in emitted:
             done = call(finished, s, EOS)
             if not isinstance(done, bool):
                 raise wrong_value("finished", done, "True or False")

@@ -8,6 +8,7 @@ import torch
 
 from ...model import build_model
 from ..notebook import WIDTH
+from . import wire
 from .checker import Mismatch
 
 
@@ -20,39 +21,32 @@ def randint(high: int, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
 
 
-def diagnose(got, bugs=()) -> str | None:
-    """The hint of the first known bug whose output ``got`` equals: ``bugs`` is a sequence of
-    (hint, make) where ``make()`` computes what that bug gives on the same inputs."""
-    if not isinstance(got, torch.Tensor):
-        return None
-    for hint, make in bugs:
-        try:
-            candidate = make()
-        except Exception:  # a variant that cannot run on these inputs is not the one
-            continue
-        if isinstance(candidate, torch.Tensor) and candidate.shape == got.shape and bool(torch.allclose(
-                got.detach().float(), candidate.float(), atol=1e-4, rtol=1e-4, equal_nan=True)):
-            return hint
-    return None
+def _number(value: float) -> str:
+    return f"{value:.4g}"
 
 
 def assert_close(got: torch.Tensor, expected: torch.Tensor, what: str, atol: float = 1e-4,
-                 dims: tuple[str, ...] = (), bugs=()) -> None:
-    """Mismatch naming the largest difference and where it is (with ``dims`` naming each axis); its hint
-    is that of the known bug in ``bugs`` (see :func:`diagnose`) that ``got`` equals, if any."""
+                 dims: tuple[str, ...] = (), explain=None) -> None:
+    """Mismatch saying where ``got`` differs most from ``expected`` (``dims`` names each axis), with the
+    expected and the returned value there. ``explain()``, called only on a failure, gives the Mismatch's
+    hint and bug (a ``Catalogue.hint``), or nothing."""
     diff = (got.detach().float() - expected.float()).abs()
     if bool(torch.isnan(got).any()):
-        raise Mismatch(f"{what}: some values are NaN (not a number)", diagnose(got, bugs))
+        count = int(torch.isnan(got).sum())
+        raise Mismatch(f"{what}: {count} of {got.numel()} values are NaN (not a number); expected none",
+                       **(explain() if explain else {}))
     worst = float(diff.max()) if diff.numel() else 0.0
     if worst <= atol:
         return
-    index = [int(i) for i in torch.unravel_index(diff.argmax(), diff.shape)]
+    index = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
     names = dims if len(dims) == len(index) else tuple(f"dim{i}" for i in range(len(index)))
     where = ", ".join(f"{n}={i}" for n, i in zip(names, index))
-    raise Mismatch(f"{what}: off by up to {worst:.3g} (the largest at {where}); "
-                   f"{int((diff > atol).sum())} of {diff.numel()} values differ", diagnose(got, bugs))
+    raise Mismatch(f"{what}: at {where} expected {_number(float(expected[index]))}, got "
+                   f"{_number(float(got[index]))}; {int((diff > atol).sum())} of {diff.numel()} values "
+                   f"differ by more than {atol:g}", **(explain() if explain else {}))
 
 
+@wire.shared("tiny_model")
 @functools.lru_cache(maxsize=1)
 def tiny_model():
     """minillm's tiny random model (GQA 8:2, head_dim 32), built once per process."""

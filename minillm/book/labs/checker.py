@@ -3,7 +3,13 @@
 A lab registers ``Task``s; each task needs one or more of the learner's functions (by name) and holds
 ``Property``s. A property calls the learner's code only through :func:`call`, so an exception raised
 there, or a value of the wrong type, becomes one readable sentence (with the learner's own line), not a
-traceback from deep inside the library. Each property scores one point.
+traceback from deep inside the library. A property scores one point; a central one (the idea working:
+the round trip inside a model, the simulator, the measured prediction) scores ``CENTRAL_POINTS``, and a
+task whose central property fails scores at most half its points.
+
+The functions may be the learner's own (``check`` in a live notebook) or stand-ins that call them in
+another process (the grader, :mod:`.sandbox`); either way each function gets one time limit: once it
+runs out of time, its remaining properties are not run.
 """
 from __future__ import annotations
 
@@ -26,8 +32,11 @@ import torch
 from ..notebook import WIDTH
 
 NOT_WRITTEN = "not written yet: it still raises NotImplementedError"
-TIMEOUT_HINT = ("Look for a loop that never ends: a while whose condition never changes, or `continue` "
-                "where the loop should stop (`break`).")
+TIMEOUT_HINT = ("Look for a loop that never ends: a while whose condition never changes, or a `continue` "
+                "where the loop should stop.")
+ENDED_HINT = ("Your function ended the process it ran in (os._exit, a crash in native code, or memory "
+              "running out): run it on a small case in your notebook.")
+CENTRAL_POINTS = 3  # what a central property scores; every other property scores 1
 
 
 def _default_seconds() -> float:
@@ -49,12 +58,13 @@ def set_time_limit(seconds: float) -> None:
 
 
 class Mismatch(AssertionError):
-    """A property does not hold; the message says what was seen, never the answer. ``hint``, when given,
-    replaces the property's own: the hint for the bug this outcome points at."""
+    """A property does not hold; the message says what was seen and what was expected. ``hint``, when
+    given, replaces the property's own; ``bug`` names the known bug that hint is about (see
+    :mod:`.diagnosis`: only once the outcome matched that bug on every case that tells it apart)."""
 
-    def __init__(self, message: str, hint: str | None = None):
+    def __init__(self, message: str, hint: str | None = None, bug: str | None = None):
         super().__init__(message)
-        self.hint = hint
+        self.hint, self.bug = hint, bug
 
 
 class LearnerError(Exception):
@@ -67,12 +77,19 @@ class LearnerError(Exception):
 
 @dataclass(frozen=True)
 class Property:
-    """One checked behaviour: ``run(functions)`` returns when it holds and raises Mismatch when not."""
+    """One checked behaviour: ``run(functions)`` returns when it holds and raises Mismatch when not.
+    ``central``: the property that shows the task's idea works; it scores CENTRAL_POINTS, and when it
+    fails the task scores at most half its points."""
 
     name: str
     hint: str
     run: Callable[[dict], None]
     seconds: float | None = None  # a slow property's own time limit (the larger of it and TIME_LIMIT)
+    central: bool = False
+
+    @property
+    def points(self) -> int:
+        return CENTRAL_POINTS if self.central else 1
 
 
 @dataclass(frozen=True)
@@ -95,6 +112,10 @@ class Outcome:
     hint: str = ""
     not_written: bool = False
     timed_out: bool = False
+    not_run: bool = False  # skipped: a function it needs ran out of time (or ended its process) before
+    points: int = 1
+    central: bool = False
+    bug: str | None = None  # the known bug the hint names, if it names one
 
 
 @dataclass(frozen=True)
@@ -115,11 +136,26 @@ class Report:
 
     @property
     def passed(self) -> int:
+        """How many properties hold."""
         return sum(o.passed for o in self.outcomes)
 
     @property
     def total(self) -> int:
         return len(self.outcomes)
+
+    @property
+    def max_points(self) -> int:
+        return sum(o.points for o in self.outcomes)
+
+    @property
+    def capped(self) -> bool:
+        """A central property fails: the task scores at most half its points."""
+        return any(o.central and not o.passed for o in self.outcomes)
+
+    @property
+    def points(self) -> int:
+        earned = sum(o.points for o in self.outcomes if o.passed)
+        return min(earned, self.max_points // 2) if self.capped else earned
 
     @property
     def all_passed(self) -> bool:
@@ -132,13 +168,14 @@ class Report:
     def text(self, brief: bool = False) -> str:
         """The report as the learner reads it, at most ``WIDTH`` characters a line. ``brief``: one line
         for a task that passes or is not written yet."""
-        head = f"{self.task}: {self.passed} of {self.total} checks pass"
+        head = f"{self.task}: {self.passed} of {self.total} checks pass, {self.points} of {self.max_points} points"
         if self.not_written:
             reason = self.outcomes[0].detail.replace(f"{self.task} is not written", "not written")
             lines = [_wrap(f"{head} ({reason}).", "", "  ")]
             if not brief:
                 lines.append("  It will be checked for:")
-                lines += [_wrap(o.name, "    - ", "      ") for o in self.outcomes]
+                lines += [_wrap(o.name + (f" [{o.points} points]" if o.central else ""), "    - ", "      ")
+                          for o in self.outcomes]
             return "\n".join(lines)
         uses = [_wrap(f"{use}: the checks compare with minillm, so this proves nothing; write it yourself",
                       "  note: ", " " * 8) for use in self.reference_uses]
@@ -148,11 +185,16 @@ class Report:
             return lines[0]
         failed = [o for o in self.outcomes if not o.passed]
         for o in self.outcomes:
-            lines.append(_wrap(o.name, "  ok    " if o.passed else "  FAIL  ", " " * 8))
-            if not o.passed:
+            mark = "  ok    " if o.passed else "  ----  " if o.not_run else "  FAIL  "
+            lines.append(_wrap(o.name + (f" [{o.points} points]" if o.central else ""), mark, " " * 8))
+            if o.not_run:
+                lines.append(_wrap(o.detail, " " * 8, " " * 8))
+            elif not o.passed:
                 lines.append(_wrap(o.detail, "        seen: ", " " * 14))
                 lines.append(_wrap(o.hint, "        hint: ", " " * 14))
-        if len(failed) > 1:
+        if self.capped:
+            lines.append(_wrap("A central check fails, so this task scores at most half its points.", "  ", "  "))
+        if sum(not o.not_run for o in failed) > 1:
             lines.append(_wrap("Fix the first FAIL first: the later ones often follow from it.", "  ", "  "))
         return "\n".join(lines + uses)
 
@@ -242,6 +284,26 @@ def _record(name: str, use: str) -> None:
         _uses.append(message)
 
 
+def start_recording() -> None:
+    """Collect the minillm code that the learner's functions reach from now on (see ``stop_recording``)."""
+    global _uses
+    _uses = []
+
+
+def stop_recording() -> list[str]:
+    """What the learner's functions reached since ``start_recording`` ("ttft called minillm...")."""
+    global _uses
+    found, _uses = _uses or [], None
+    return found
+
+
+def record_uses(uses: list[str]) -> None:
+    """Add uses seen in another process (the grader's sandbox) to the task now running."""
+    for use in uses:
+        if _uses is not None and use not in _uses:
+            _uses.append(use)
+
+
 @contextmanager
 def _watch_for_minillm(name: str):
     """Record every minillm function that the learner's code calls, however it was reached (an import,
@@ -278,7 +340,10 @@ def _is_lab_frame(code) -> bool:
 
 
 def call(function: Callable, *args, **kwargs):
-    """Call a learner's function; whatever it raises becomes a LearnerError with a readable message."""
+    """Call a learner's function; whatever it raises becomes a LearnerError with a readable message.
+    A function that runs in the grader's sandbox reports those errors (and what it reached) itself."""
+    if getattr(function, "in_sandbox", False):
+        return function(*args, **kwargs)
     name = getattr(function, "__name__", "your function")
     code = getattr(function, "__code__", None)
     own = _reference_name(code) if code is not None else None
@@ -301,6 +366,9 @@ def call(function: Callable, *args, **kwargs):
 
 def describe(value) -> str:
     """A short description of a value's type (and shape), for messages."""
+    described = getattr(value, "described_as", None)  # a value the grader's wire did not carry
+    if isinstance(described, str):
+        return described
     if isinstance(value, torch.Tensor):
         return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
     if value is None:
@@ -381,10 +449,20 @@ class OutOfTime(BaseException):
     does not swallow it)."""
 
 
+class FunctionStopped(BaseException):
+    """A learner's function in the grader's sandbox did not answer: ``timed_out`` when it ran out of
+    time, else it ended its process. ``detail`` says so, with where it was stopped."""
+
+    def __init__(self, name: str, detail: str, timed_out: bool):
+        super().__init__(detail)
+        self.name, self.detail, self.timed_out = name, detail, timed_out
+
+
 @contextmanager
 def time_limit(seconds: float):
     """Raise OutOfTime in the block after ``seconds`` (and every half second after, should the learner's
-    code catch it), on the main thread of a system with SIGALRM; elsewhere no limit."""
+    code catch it), on the main thread of a system with SIGALRM; elsewhere no limit. For ``check`` in a
+    live notebook; the grader keeps its own clock (:mod:`.sandbox`)."""
     usable = (seconds and seconds > 0 and hasattr(signal, "setitimer")
               and threading.current_thread() is threading.main_thread())
     if not usable:
@@ -403,34 +481,101 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def run_task(task: Task, functions: dict) -> Report:
-    global _uses
+_budget: list[float] | None = None  # [seconds left, the limit] of the property now running (sandboxed calls)
+
+
+def seconds_left() -> float:
+    """What the property now running may still spend in the learner's code (sandboxed calls)."""
+    return _budget[0] if _budget is not None else (TIME_LIMIT if TIME_LIMIT > 0 else 1e9)
+
+
+def property_seconds() -> float:
+    """The time limit of the property now running."""
+    return _budget[1] if _budget is not None else TIME_LIMIT
+
+
+def spend(seconds: float) -> None:
+    """Charge a sandboxed call's time to the property now running."""
+    if _budget is not None:
+        _budget[0] -= seconds
+
+
+@contextmanager
+def _property_limit(seconds: float, sandboxed: bool):
+    """The property's time limit: a budget that the sandboxed calls spend (the grader stops a call
+    that overruns it), or, for the learner's own functions, ``time_limit``."""
+    global _budget
+    if not sandboxed:
+        with time_limit(seconds):
+            yield
+        return
+    outer, _budget = _budget, [seconds if seconds > 0 else 1e9, seconds]
+    try:
+        yield
+    finally:
+        _budget = outer
+
+
+@dataclass
+class Run:
+    """What one grading remembers across tasks: the functions that stopped answering (and why), and
+    what the diagnosis learned of each function (its outcomes on the probes)."""
+
+    stopped: dict[str, str] = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)
+
+
+_run: Run | None = None  # the grading run now going on
+
+
+def run_cache() -> dict:
+    """A dict that lives as long as the grading run now going on (a fresh one outside a run)."""
+    return _run.cache if _run is not None else {}
+
+
+def run_task(task: Task, functions: dict, run: Run | None = None) -> Report:
+    global _uses, _run
     outer, _uses = _uses, []
+    outer_run, _run = _run, run or Run()
     try:
         with _one_thread():
-            report = _run_task(task, functions)
+            report = _run_task(task, functions, _run)
         return Report(report.task, report.lab, report.outcomes, tuple(_uses))
     finally:
-        _uses = outer
+        _uses, _run = outer, outer_run
 
 
-def _run_task(task: Task, functions: dict) -> Report:
+def _run_task(task: Task, functions: dict, run: Run) -> Report:
     outcomes = []
+    sandboxed = any(getattr(functions.get(n), "in_sandbox", False) for n in task.needs)
     for prop in task.properties:
+        scored = {"points": prop.points, "central": prop.central}
+        blocked = next((n for n in task.needs if n in run.stopped), None)
+        if blocked is not None:
+            outcomes.append(Outcome(prop.name, False, f"not run: {run.stopped[blocked]}", "", not_run=True,
+                                    **scored))
+            continue
         limit = max(TIME_LIMIT, prop.seconds or 0) if TIME_LIMIT > 0 else 0
         try:
-            with time_limit(limit):
+            with _property_limit(limit, sandboxed):
                 prop.run(functions)
+        except FunctionStopped as exc:
+            why = "ran out of time" if exc.timed_out else "ended its process"
+            run.stopped[exc.name] = f"{exc.name} {why} in the check '{prop.name}'"
+            outcomes.append(Outcome(prop.name, False, exc.detail, TIMEOUT_HINT if exc.timed_out else ENDED_HINT,
+                                    timed_out=exc.timed_out, **scored))
         except OutOfTime as exc:
             where = _where(exc).replace(" (line", " (stopped at line", 1)
+            for name in task.needs:
+                run.stopped.setdefault(name, f"{name} ran out of time in the check '{prop.name}'")
             outcomes.append(Outcome(prop.name, False, f"did not finish within {limit:g} s{where}",
-                                    TIMEOUT_HINT, timed_out=True))
+                                    TIMEOUT_HINT, timed_out=True, **scored))
         except Mismatch as exc:
-            outcomes.append(Outcome(prop.name, False, str(exc), exc.hint or prop.hint))
+            outcomes.append(Outcome(prop.name, False, str(exc), exc.hint or prop.hint, bug=exc.bug, **scored))
         except LearnerError as exc:
-            outcomes.append(Outcome(prop.name, False, str(exc), prop.hint, exc.not_written))
+            outcomes.append(Outcome(prop.name, False, str(exc), prop.hint, exc.not_written, **scored))
         else:
-            outcomes.append(Outcome(prop.name, True))
+            outcomes.append(Outcome(prop.name, True, **scored))
     return Report(task.name, task.lab, tuple(outcomes))
 
 
@@ -475,8 +620,8 @@ def running_notebook():
 
 def grade(*functions: Callable, **named: Callable) -> list[Report]:
     """Run every task whose functions are all given; the reports, in registration order."""
-    given = _collect(functions, named)
-    return [run_task(t, given) for t in TASKS.values() if set(t.needs) <= set(given)]
+    given, run = _collect(functions, named), Run()
+    return [run_task(t, given, run) for t in TASKS.values() if set(t.needs) <= set(given)]
 
 
 def check(*functions: Callable, **named: Callable) -> None:
@@ -495,12 +640,15 @@ def check(*functions: Callable, **named: Callable) -> None:
 
 
 def score_table(reports: list[Report], title: str) -> str:
-    """One line per task, and the total, as ``passed / total``."""
-    width = max([len(r.task) for r in reports] + [5]) + 4
+    """One line per task (its points, and how many of its checks pass), and the total points."""
+    width = max([len(r.task) for r in reports] + [5]) + 2
     lines = [title]
-    lines += [f"  {r.task:<{width}}{r.passed:>3} / {r.total}" for r in reports]
-    passed, total = sum(r.passed for r in reports), sum(r.total for r in reports)
-    lines.append(f"  {'total':<{width}}{passed:>3} / {total}  ({100 * passed / max(total, 1):.0f}%)")
+    for r in reports:
+        capped = ", capped at half" if r.capped and r.points < sum(o.points for o in r.outcomes if o.passed) else ""
+        lines.append(f"  {r.task:<{width}}{r.points:>3} / {r.max_points:<3} points  ({r.passed} of {r.total} "
+                     f"checks{capped})")
+    earned, most = sum(r.points for r in reports), sum(r.max_points for r in reports)
+    lines.append(f"  {'total':<{width}}{earned:>3} / {most:<3} points  ({100 * earned / max(most, 1):.0f}%)")
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@
 The learner writes ``apply_rope``, ``causal_attention`` and ``next_token_probs``. The hidden cases compare
 them with minillm's own model and sampler; ``learner_attention`` puts the first two inside any
 ``CausalLM`` (the tiny model in the checks, SmolLM2 in the lab), and ``write_text`` is the lab's payoff.
+Each function's catalogue (:mod:`.diagnosis`) holds the bugs learners write, as code.
 """
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from ...cache import KVCache, causal_mask
 from ...generate import generate
 from ...model import Attention, RotaryEmbedding, apply_rotary
 from ...sampling import SamplingParams, filtered_probs
-from .cases import assert_close, diagnose, encode_prompt, randint, randn, show_text, tiny_model
+from .cases import assert_close, encode_prompt, randint, randn, show_text, tiny_model
 from .checker import LearnerError, Mismatch, Property, Task, call, expect_tensor, register
+from .diagnosis import Bug, Catalogue
 
 BHTD = ("row", "head", "position", "element")
 
@@ -34,12 +36,13 @@ def _attention_reference(q, k, v, positions):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(positions, k.shape[2]))
 
 
-# --- the bugs learners write, computed (each output is matched against the learner's to pick a hint) --
+# --- apply_rope and its known bugs ------------------------------------------------------------------
 
 def _rope_bug(x, positions, theta, layout="half", exponent=2.0, sign=1.0):
+    """RoPE with one of the usual slips (the defaults: no slip)."""
     D = x.shape[-1]
     inv_freq = theta ** (-exponent * torch.arange(D // 2, dtype=torch.float32) / D)
-    angles = sign * positions[:, None, :, None].float() * inv_freq
+    angles = sign * positions[:, None, :, None].float() * inv_freq  # (B, 1, T, D/2)
     cos, sin = angles.cos(), angles.sin()
     if layout == "interleaved":
         a, b = x[..., 0::2], x[..., 1::2]
@@ -48,35 +51,37 @@ def _rope_bug(x, positions, theta, layout="half", exponent=2.0, sign=1.0):
     return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
 
 
-INTERLEAVED_HINT = ("Pair element i with element i + D/2 (the rotate-half layout of LLaMA and SmolLM2), not "
-                    "with its neighbour i + 1.")
-FREQUENCY_HINT = ("Pair i turns by position * theta ** (-2i / D): the exponent counts pairs in steps of 2 "
-                  "out of D, so the last pair turns slowest.")
-DIRECTION_HINT = ("The rotation turns the wrong way: the first half becomes a cos - b sin and the second "
-                  "a sin + b cos.")
-ROW0_ROPE_HINT = "Each row has its own positions: row b turns by positions[b], not by positions[0]."
-INDEX_HINT = ("Rotate by the positions given, not by the index t along T: a decode step's one token sits "
-              "at positions[b, 0], not at 0.")
+def _rope_probes():
+    return [(randn(2, 2, 3, 8, seed=300), torch.tensor([[0, 5, 9], [3, 4, 100]]), 100000.0),
+            (randn(1, 3, 2, 16, seed=301), torch.tensor([[7, 2]]), 10000.0)]
 
 
-def _rope_bugs(x, positions, theta):
-    B, T = positions.shape
-    return (
-        (INTERLEAVED_HINT, lambda: _rope_bug(x, positions, theta, layout="interleaved")),
-        (FREQUENCY_HINT, lambda: _rope_bug(x, positions, theta, exponent=1.0)),
-        (DIRECTION_HINT, lambda: _rope_bug(x, positions, theta, sign=-1.0)),
-        ("Use the theta argument in the frequencies, not a constant.",
-         lambda: _rope_bug(x, positions, 10000.0) if theta != 10000.0 else None),
-        (INDEX_HINT, lambda: _rope_bug(x, torch.arange(T).expand(B, T), theta)),
-        (ROW0_ROPE_HINT, lambda: _rope_bug(x, positions[:1].expand(B, T), theta)),
-    )
+ROPE_BUGS = Catalogue("apply_rope", _rope_reference, (
+    Bug("rope.interleaved", "pairing each element with its neighbour (i, i + 1)",
+        "LLaMA and SmolLM2 pair element i with element i + D/2 (the rotate-half layout).",
+        lambda x, p, t: _rope_bug(x, p, t, layout="interleaved")),
+    Bug("rope.frequency", "an exponent of -i / D", "Pair i turns at theta to the power -2i / D: the "
+        "exponent counts the pairs in steps of 2 out of D.", lambda x, p, t: _rope_bug(x, p, t, exponent=1.0)),
+    Bug("rope.direction", "a rotation the wrong way round", "Check the signs: the first half becomes "
+        "a cos - b sin, the second a sin + b cos.", lambda x, p, t: _rope_bug(x, p, t, sign=-1.0)),
+    Bug("rope.theta", "a theta fixed at 10000", "Use the theta you are given in the frequencies.",
+        lambda x, p, t: _rope_bug(x, p, 10000.0)),
+    Bug("rope.index", "rotating by the index along T instead of the positions",
+        "Rotate by the positions given: a decode step's one token sits at its position, not at 0.",
+        lambda x, p, t: _rope_bug(x, torch.arange(p.shape[1]).expand(p.shape), t)),
+    Bug("rope.row0", "rotating every row by row 0's positions", "Each row turns by its own positions.",
+        lambda x, p, t: _rope_bug(x, p[:1].expand(p.shape), t)),
+), _rope_probes)
 
-
-# --- apply_rope -------------------------------------------------------------------------------------
 
 def _rope(fns, x, positions, theta=10000.0):
     out = call(fns["apply_rope"], x.clone(), positions.clone(), theta)
     return expect_tensor("apply_rope", out, tuple(x.shape))
+
+
+def _rope_compare(fns, x, positions, theta, what):
+    assert_close(_rope(fns, x, positions, theta), _rope_reference(x, positions, theta), what, dims=BHTD,
+                 explain=lambda: ROPE_BUGS.hint(fns, x, positions, theta))
 
 
 def _rope_shape(fns):
@@ -85,30 +90,25 @@ def _rope_shape(fns):
 
 def _rope_zero(fns):
     x, positions = randn(1, 2, 3, 8, seed=2), torch.zeros(1, 3, dtype=torch.long)
-    assert_close(_rope(fns, x, positions), x, "the output at position 0", dims=BHTD,
-                 bugs=_rope_bugs(x, positions, 10000.0))
+    _rope_compare(fns, x, positions, 10000.0, "the output at position 0")
 
 
 def _rope_length(fns):
     x, positions = randn(1, 2, 6, 8, seed=3), randint(500, (1, 6), seed=3)
     out = _rope(fns, x, positions)
-    assert_close(out.norm(dim=-1), x.norm(dim=-1), "the length of each vector", atol=1e-3,
-                 dims=BHTD[:3])
+    assert_close(out.norm(dim=-1), x.norm(dim=-1), "the length of each vector", atol=1e-3, dims=BHTD[:3])
 
 
 def _rope_matches(theta):
     def run(fns):
         x, positions = randn(1, 2, 7, 16, seed=4), torch.tensor([[0, 1, 2, 3, 10, 100, 1000]])
-        assert_close(_rope(fns, x, positions, theta), _rope_reference(x, positions, theta),
-                     f"the rotated vectors (theta={theta:g})", dims=BHTD, bugs=_rope_bugs(x, positions, theta))
+        _rope_compare(fns, x, positions, theta, f"the rotated vectors (theta={theta:g})")
     return run
 
 
 def _rope_rows(fns):
     x, positions = randn(2, 3, 4, 8, seed=5), torch.tensor([[0, 1, 2, 3], [7, 8, 9, 10]])
-    assert_close(_rope(fns, x, positions), _rope_reference(x, positions, 10000.0),
-                 "the rotated vectors of a batch whose rows sit at different positions", dims=BHTD,
-                 bugs=_rope_bugs(x, positions, 10000.0))
+    _rope_compare(fns, x, positions, 10000.0, "the rotated vectors of rows at different positions")
 
 
 def _rope_relative(fns):
@@ -120,41 +120,42 @@ def _rope_relative(fns):
         dots.append(float((rq * rk).sum()))
     if max(dots) - min(dots) > 1e-3:
         raise Mismatch(f"q at position 3 and k at position 1 give q.k = {dots[0]:.4f}; shifted by 5 and by 50 "
-                       f"positions they give {dots[1]:.4f} and {dots[2]:.4f}")
+                       f"positions they give {dots[1]:.4f} and {dots[2]:.4f} (expected the same)")
 
 
 ROPE = Task("apply_rope", "2.1", ("apply_rope",), (
     Property("returns a tensor shaped like x, (B, H, T, D)",
-             "Compute the result from x and return it as one tensor (not a tuple).", _rope_shape),
+             "Check what your function returns: one new tensor with x's shape.", _rope_shape),
     Property("position 0 leaves a vector unchanged",
-             "At position 0 every angle is 0: cos = 1 and sin = 0.", _rope_zero),
+             "What are cos and sin of the angle at position 0?", _rope_zero),
     Property("keeps the length of every vector (it is a rotation)",
-             "Each pair (a, b) turns by an angle: the new pair mixes a and b with cos and sin of the same "
-             "angle; nothing is scaled.", _rope_length),
+             "Does each new pair mix the two elements of its pair with the cos and sin of one angle, "
+             "and nothing else?", _rope_length),
     Property("matches the rotation of LLaMA / SmolLM2 (theta 10000)",
-             "Check the pairs (i with i + D/2) and the angle of pair i, position * theta ** (-2i / D), on a "
-             "small case.", _rope_matches(10000.0)),
+             "Check on a small case, one at a time: which elements form a pair, the angle of pair i at "
+             "position p, and the signs of the rotation.", _rope_matches(10000.0), central=True),
     Property("uses the theta it is given (SmolLM2 uses 100000)",
-             "Use the theta argument in the frequencies, not a constant.", _rope_matches(100000.0)),
+             "Where does theta enter your frequencies?", _rope_matches(100000.0)),
     Property("each row of a batch rotates by its own positions",
-             ROW0_ROPE_HINT + " Give positions (B, T) a head dimension of size 1 so that it lines up with "
-             "x's (B, H, T, D).", _rope_rows),
+             "positions is (B, T) and x is (B, H, T, D): does each row's angle come from its own row of "
+             "positions, lined up with x's head axis?", _rope_rows),
     Property("q . k depends only on the distance between their positions",
              "This follows from a correct rotation: check the angle of each pair.", _rope_relative),
 ))
 
 
-# --- causal_attention --------------------------------------------------------------------------------
+# --- causal_attention and its known bugs --------------------------------------------------------------
 
 def _attention_bug(q, k, v, positions, scale=0.5, softmax_dim=-1, mask="positions", heads="interleave",
                    fill=float("-inf")):
+    """Attention with one of the usual slips (the defaults: no slip)."""
     groups = q.shape[1] // k.shape[1]
     if heads == "interleave":
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     else:
         k, v = k.repeat(1, groups, 1, 1), v.repeat(1, groups, 1, 1)
     T, S = q.shape[2], k.shape[2]
-    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** scale
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** scale  # (B, H, T, S)
     keys = torch.arange(S)
     if mask == "tril":
         visible = torch.tril(torch.ones(T, S, dtype=torch.bool))[None, None]
@@ -168,31 +169,42 @@ def _attention_bug(q, k, v, positions, scale=0.5, softmax_dim=-1, mask="position
     return torch.softmax(scores, dim=softmax_dim) @ v
 
 
-SCALE_HINT = "Divide the scores q . k by sqrt(D), D = q.shape[-1], before the softmax."
-SCALE_D_HINT = "The scale is 1 / sqrt(D), not 1 / D: the scores' spread grows like sqrt(D)."
-SOFTMAX_DIM_HINT = ("Take the softmax over the keys, the last dimension of the scores (B, H, T, S); over "
-                    "dim -2 each key's weights sum to 1 instead of each query's.")
-TRIL_HINT = ("A mask from T alone (tril(ones(T, S)), or is_causal=True) lines the queries up with keys "
-             "0..T-1. The keys are indexed by position and the queries sit at positions: build the mask "
-             "from positions, so that a decode step's one query at position p sees keys 0..p, not key 0 "
-             "alone.")
-OWN_KEY_HINT = "A query sees its own key too: key j is visible to a query at position p when j <= p, not j < p."
-ROW0_MASK_HINT = ("Each row has its own positions: build the mask for every row, (B, 1, T, S), not from "
-                  "positions[0].")
-ZERO_FILL_HINT = ("A score of 0 is not hidden: after the softmax it still gets weight. Set the scores of "
-                  "hidden keys to -inf (or a very negative number).")
-REPEAT_HINT = ("Heads 0..G-1 share kv head 0, heads G..2G-1 share kv head 1 (G = H // H_kv): repeat each "
-               "kv head G times in a row (repeat_interleave), not the whole stack G times (repeat).")
+def _case(b, h, h_kv, t, s, d, seed):
+    return randn(b, h, t, d, seed=seed), randn(b, h_kv, s, d, seed=seed + 1), randn(b, h_kv, s, d, seed=seed + 2)
 
 
-def _attention_bugs(q, k, v, positions):
-    def bug(**kw):
-        return lambda: _attention_bug(q, k, v, positions, **kw)
-    return ((SCALE_HINT, bug(scale=0.0)), (SCALE_D_HINT, bug(scale=1.0)),
-            (SOFTMAX_DIM_HINT, bug(softmax_dim=-2)), (TRIL_HINT, bug(mask="tril")),
-            (OWN_KEY_HINT, bug(mask="strict")), (ROW0_MASK_HINT, bug(mask="row0")),
-            (ZERO_FILL_HINT, bug(fill=0.0)), (REPEAT_HINT, bug(heads="repeat")),
-            (TRIL_HINT + " " + SCALE_HINT, bug(mask="tril", scale=0.0)))
+def _attention_probes():
+    return [(*_case(2, 4, 2, 2, 6, 8, seed=310), torch.tensor([[3, 4], [4, 5]])),
+            (*_case(1, 2, 1, 5, 5, 8, seed=320), torch.arange(5)[None])]
+
+
+def _attention(**slip):
+    return lambda q, k, v, p: _attention_bug(q, k, v, p, **slip)
+
+
+TRIL = ("A mask from T alone (tril(ones(T, S)), or is_causal=True) lines query t up with key t. The keys "
+        "are indexed by position and the queries sit at positions: build the mask from the positions, so "
+        "that a decode step's one query at position p sees keys 0..p.")
+ATTENTION_BUGS = Catalogue("causal_attention", _attention_reference, (
+    Bug("attention.no_scale", "attention without the 1 / sqrt(D) scale",
+        "The scores q . k are scaled by 1 / sqrt(D) before the softmax, D the head width.", _attention(scale=0.0)),
+    Bug("attention.scale_d", "a scale of 1 / D", "The scale is 1 / sqrt(D): the scores' spread grows like "
+        "sqrt(D).", _attention(scale=1.0)),
+    Bug("attention.softmax_dim", "a softmax over the queries", "Each query's weights over the keys sum to 1: "
+        "which dimension of the scores (B, H, T, S) holds the keys?", _attention(softmax_dim=-2)),
+    Bug("attention.tril", "a mask built from T alone", TRIL, _attention(mask="tril")),
+    Bug("attention.strict", "a mask that hides a query's own key", "A query sees its own position too: key "
+        "j is visible from position p when j is at most p.", _attention(mask="strict")),
+    Bug("attention.row0", "one mask for every row, from row 0", "Each row has its own positions: build "
+        "the mask for every row.", _attention(mask="row0")),
+    Bug("attention.zero_fill", "hidden scores set to 0", "A score of 0 still gets weight after the "
+        "softmax: a hidden key's score must be minus infinity.", _attention(fill=0.0)),
+    Bug("attention.repeat", "the KV heads repeated as a whole stack", "Query heads 0..G-1 share kv head 0, "
+        "heads G..2G-1 kv head 1: each kv head is repeated G times in a row, not the stack G times.",
+        _attention(heads="repeat")),
+    Bug("attention.tril_no_scale", "a mask built from T alone and no 1 / sqrt(D) scale",
+        TRIL + " And the scores are scaled by 1 / sqrt(D).", _attention(mask="tril", scale=0.0)),
+), _attention_probes)
 
 
 def _attend(fns, q, k, v, positions):
@@ -205,12 +217,14 @@ def _attend(fns, q, k, v, positions):
     return out
 
 
-def _case(b, h, h_kv, t, s, d, seed):
-    return randn(b, h, t, d, seed=seed), randn(b, h_kv, s, d, seed=seed + 1), randn(b, h_kv, s, d, seed=seed + 2)
+def _attention_compare(fns, case, what):
+    q, k, v, positions = case
+    assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions), what, dims=BHTD,
+                 explain=lambda: ATTENTION_BUGS.hint(fns, q, k, v, positions))
 
 
-GQA_SHAPE_HINT = ("q has H heads but k and v have H_kv: give each query head its kv head (repeat each kv "
-                  "head G = H // H_kv times along dim 1) before q @ k^T.")
+GQA_SHAPE_HINT = ("q has H heads but k and v have H_kv: which kv head does each query head read, and does your "
+                  "code give it that one before q @ k^T?")
 
 
 def _att_shape(fns):
@@ -225,16 +239,12 @@ def _att_shape(fns):
 
 def _att_single(fns):
     q, k, v = _case(1, 1, 1, 1, 1, 4, seed=20)
-    positions = torch.tensor([[0]])
-    assert_close(_attend(fns, q, k, v, positions), v, "the output of one query over one key",
-                 dims=BHTD, bugs=_attention_bugs(q, k, v, positions))
+    _attention_compare(fns, (q, k, v, torch.tensor([[0]])), "the output of one query over one key")
 
 
 def _att_last_query(fns):
     q, k, v = _case(1, 2, 2, 1, 6, 16, seed=30)
-    positions = torch.tensor([[5]])
-    assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
-                 "the output of a query that sees all 6 keys", dims=BHTD, bugs=_attention_bugs(q, k, v, positions))
+    _attention_compare(fns, (q, k, v, torch.tensor([[5]])), "the output of a query that sees all 6 keys")
 
 
 def _att_causal(fns):
@@ -248,59 +258,51 @@ def _att_causal(fns):
     if bool((changed > 1e-5).any()):
         first = int((changed > 1e-5).nonzero()[0])
         raise Mismatch(f"changing the key and value at position 4 changed the output of the query at "
-                       f"position {first}", diagnose(before, _attention_bugs(q, k, v, positions)))
+                       f"position {first} (expected no change before position 4)",
+                       **ATTENTION_BUGS.hint(fns, q, k, v, positions))
 
 
 def _att_prefill(fns):
     q, k, v = _case(2, 2, 2, 6, 6, 8, seed=50)
-    positions = torch.arange(6).expand(2, 6)
-    assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
-                 "a 6-token prefill", dims=BHTD, bugs=_attention_bugs(q, k, v, positions))
+    _attention_compare(fns, (q, k, v, torch.arange(6).expand(2, 6)), "a 6-token prefill")
 
 
 def _att_grouped(fns):
     q, k, v = _case(1, 6, 2, 4, 4, 8, seed=60)
-    positions = torch.arange(4)[None]
-    assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
-                 "6 query heads over 2 kv heads", dims=BHTD, bugs=_attention_bugs(q, k, v, positions))
+    _attention_compare(fns, (q, k, v, torch.arange(4)[None]), "6 query heads over 2 kv heads")
 
 
 def _att_decode_rows(fns):
     q, k, v = _case(2, 4, 2, 1, 6, 8, seed=70)
-    positions = torch.tensor([[2], [5]])
-    assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
-                 "a decode step with row 0 at position 2 and row 1 at position 5 (6 keys)", dims=BHTD,
-                 bugs=_attention_bugs(q, k, v, positions))
+    _attention_compare(fns, (q, k, v, torch.tensor([[2], [5]])),
+                       "a decode step with row 0 at position 2 and row 1 at position 5 (6 keys)")
 
 
 def _att_chunk(fns):
     q, k, v = _case(1, 2, 1, 3, 6, 8, seed=80)
-    positions = torch.tensor([[3, 4, 5]])
-    assert_close(_attend(fns, q, k, v, positions), _attention_reference(q, k, v, positions),
-                 "queries at positions 3, 4, 5 over keys 0..5", dims=BHTD, bugs=_attention_bugs(q, k, v, positions))
+    _attention_compare(fns, (q, k, v, torch.tensor([[3, 4, 5]])), "queries at positions 3, 4, 5 over keys 0..5")
 
 
-MASK_HINT = ("Key j is visible to a query at position p exactly when j <= p. Build the mask from "
-             "positions (B, T) and the key indices 0..S-1, not from T alone: a decode step's one query "
-             "sits at the end, not at index 0.")
+MASK_HINT = ("Which keys may a query at position p see? Print your mask for one row at positions 3, 4, 5 "
+             "over 6 keys, and for two rows at positions 2 and 5.")
 ATTENTION = Task("causal_attention", "2.1", ("causal_attention",), (
     Property("returns (B, H, T, D), a tensor shaped like q",
              "The output has one vector per query head and query position.", _att_shape),
     Property("one query and one key: the output is that key's value",
-             "The softmax over a single key is 1; then the output is weights @ v.", _att_single),
+             "What is the softmax over a single key?", _att_single),
     Property("a query that sees every key gets softmax(q . k / sqrt(D)) v",
-             "Scale the scores by 1 / sqrt(D), D = q.shape[-1], and take the softmax over the keys "
-             "(the last dimension of the scores).", _att_last_query),
+             "Check the scale of the scores and the dimension the softmax runs over.", _att_last_query),
     Property("a query never sees a key after its own position (causal mask)",
-             "Set the scores of hidden keys to -inf before the softmax. " + MASK_HINT, _att_causal),
+             "Print your mask for a 5-token prefill: which keys can the query at position 0 see, and what "
+             "score do the hidden ones get before the softmax?", _att_causal),
     Property("a 6-token prefill of two sequences matches",
              "Check the scale, the softmax dimension and the mask one at a time on a small case.",
-             _att_prefill),
-    Property("grouped heads: query head h reads kv head h // (H // H_kv)", REPEAT_HINT, _att_grouped),
-    Property("a decode step: rows at different positions in one batch",
-             MASK_HINT, _att_decode_rows),
-    Property("a chunk that continues a sequence: queries at positions 3..5 over keys 0..5",
-             MASK_HINT, _att_chunk),
+             _att_prefill, central=True),
+    Property("grouped heads: query head h reads kv head h // (H // H_kv)",
+             "Print which kv head each query head reads in your code for H = 6, H_kv = 2.", _att_grouped),
+    Property("a decode step: rows at different positions in one batch", MASK_HINT, _att_decode_rows,
+             central=True),
+    Property("a chunk that continues a sequence: queries at positions 3..5 over keys 0..5", MASK_HINT, _att_chunk),
 ))
 
 
@@ -395,51 +397,99 @@ def _model_ragged(fns):
 MODEL = Task("attention inside the tiny model", "2.1", ("apply_rope", "causal_attention"), (
     Property("the tiny model with your attention gives minillm's logits (no cache)",
              "Pass the checks of apply_rope and causal_attention first; the model calls them with "
-             "q: (B, 8, T, 32) and k, v: (B, 2, S, 32).", _model_no_cache),
+             "q: (B, 8, T, 32) and k, v: (B, 2, S, 32).", _model_no_cache, central=True),
     Property("... and with the KV cache: a prefill, then three decode steps",
-             "With a cache, k and v hold S keys indexed by position while q holds only the new T "
-             "queries: mask by position.", _model_cached),
+             "With a cache, k and v hold S keys indexed by position while q holds only the T new "
+             "queries: what does your mask give a query at position 10 over 11 keys?", _model_cached,
+             central=True),
     Property("... and two rows decoding together at different positions",
-             MASK_HINT, _model_ragged),
+             MASK_HINT, _model_ragged, central=True),
 ))
 
 
-# --- next_token_probs ----------------------------------------------------------------------------------
+# --- next_token_probs and its known bugs ---------------------------------------------------------------
 
-def _probs(fns, logits, temperature, top_k, top_p):
-    original = logits.clone()
-    out = call(fns["next_token_probs"], logits, temperature, top_k, top_p)
-    out = expect_tensor("next_token_probs", out, tuple(logits.shape))
-    if not torch.equal(logits, original):
-        raise LearnerError("next_token_probs changed the logits passed in; work on a copy "
-                           "(logits / temperature makes one)")
-    return out
+def _sampling_bug(logits, temperature, top_k, top_p, overflow=False, keep_crossing=True, renormalize=True,
+                  temperature_on="logits"):
+    """The filter with one of the usual slips (the defaults: no slip)."""
+    if temperature == 0:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits.float() / (temperature if temperature_on == "logits" else 1.0)
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if overflow:  # exp of the raw logits
+        e = logits.exp()
+        probs = e / e.sum(-1, keepdim=True)
+    else:
+        probs = torch.softmax(logits, dim=-1)
+    if temperature_on == "probs":
+        probs = probs / temperature
+    if top_p < 1.0:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        mass = ordered.cumsum(-1) - (ordered if keep_crossing else 0)  # the mass before each token
+        drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, mass >= top_p)
+        probs = probs.masked_fill(drop, 0.0)
+        if renormalize:
+            probs = probs / probs.sum(-1, keepdim=True)
+    return probs
 
 
 def _expected(logits, temperature, top_k, top_p):
     return filtered_probs(logits, SamplingParams(temperature, top_k, top_p))
 
 
+NUCLEUS = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()  # top-p 0.75 keeps the first two
+
+
+def _sampling_probes():
+    return [(randn(2, 40, seed=330) * 3 + 500, 1.0, 0, 1.0), (randn(2, 40, seed=331) * 3, 0.7, 8, 0.6),
+            (NUCLEUS, 1.0, 0, 0.75), (randn(2, 40, seed=332) * 3, 2.0, 0, 1.0)]
+
+
+def _sampling(**slip):
+    return lambda logits, t, k, p: _sampling_bug(logits, t, k, p, **slip)
+
+
+SAMPLING_BUGS = Catalogue("next_token_probs", _expected, (
+    Bug("sampling.overflow", "a softmax of the raw logits (no shift)",
+        "exp() of a logit in the hundreds overflows to infinity; shifting every logit of a row by the same "
+        "amount (its largest) leaves the softmax unchanged and keeps exp() finite.", _sampling(overflow=True)),
+    Bug("sampling.crossing", "a top-p cut that drops the token crossing p",
+        "Keep a token while the mass before it is below p: the token that crosses p stays.",
+        _sampling(keep_crossing=False)),
+    Bug("sampling.no_renormalize", "a top-p cut without renormalizing",
+        "After the cut, the kept probabilities no longer sum to 1: divide them by their sum.",
+        _sampling(renormalize=False)),
+    Bug("sampling.temperature_on_probs", "a temperature that divides the probabilities",
+        "The temperature divides the logits, before the softmax.", _sampling(temperature_on="probs")),
+), _sampling_probes)
+
+
+def _probs(fns, logits, temperature, top_k, top_p):
+    original = logits.clone()
+    out = call(fns["next_token_probs"], logits, temperature, top_k, top_p)
+    out = expect_tensor("next_token_probs", out, tuple(logits.shape))
+    if not torch.equal(logits, original):
+        raise LearnerError("next_token_probs changed the logits passed in; work on a copy")
+    return out
+
+
+def _probs_compare(fns, logits, temperature, top_k, top_p, what):
+    assert_close(_probs(fns, logits, temperature, top_k, top_p), _expected(logits, temperature, top_k, top_p),
+                 what, atol=1e-5, dims=("row", "token"),
+                 explain=lambda: SAMPLING_BUGS.hint(fns, logits, temperature, top_k, top_p))
+
+
 def _sampling_case(temperature, top_k, top_p, what, seed, rows=2, vocab=50):
     def run(fns):
-        logits = randn(rows, vocab, seed=seed) * 3
-        assert_close(_probs(fns, logits, temperature, top_k, top_p),
-                     _expected(logits, temperature, top_k, top_p), what, atol=1e-5, dims=("row", "token"))
+        _probs_compare(fns, randn(rows, vocab, seed=seed) * 3, temperature, top_k, top_p, what)
     return run
-
-
-MAX_SUB_HINT = ("exp() of a logit in the hundreds overflows to inf, and inf / inf is NaN: subtract each "
-                "row's largest logit before exp (torch.softmax does), which leaves the softmax unchanged.")
-TOP_P_HINT = ("Sort the probabilities, add them up from the most likely; keep a token while the mass before "
-              "it is below p (so the token that crosses p stays), then renormalize.")
-RENORM_HINT = "After cutting the tail, divide the kept probabilities by their sum so that each row sums to 1."
-TEMPERATURE_HINT = "Divide the logits by the temperature before the softmax (not the probabilities)."
 
 
 def _large_logits(fns):
     logits = randn(2, 50, seed=108) * 3 + 500  # a model's logits can sit far from 0
-    assert_close(_probs(fns, logits, 1.0, 0, 1.0), _expected(logits, 1.0, 0, 1.0),
-                 "the softmax of logits near 500", atol=1e-5, dims=("row", "token"))
+    _probs_compare(fns, logits, 1.0, 0, 1.0, "the softmax of logits near 500")
 
 
 def _temperatures(fns):
@@ -450,10 +500,10 @@ def _temperatures(fns):
 def _probs_valid(fns):
     probs = _probs(fns, randn(3, 20, seed=100) * 3, 1.0, 0, 1.0)
     if bool((probs < 0).any()):
-        raise Mismatch(f"a probability is negative ({float(probs.min()):.3g})")
+        raise Mismatch(f"a probability is negative ({float(probs.min()):.3g}); expected none")
     sums = probs.sum(-1)
     if bool(((sums - 1).abs() > 1e-4).any()):
-        raise Mismatch(f"the rows sum to {[round(float(s), 4) for s in sums]}, not 1")
+        raise Mismatch(f"the rows sum to {[round(float(s), 4) for s in sums]}; expected 1 each")
 
 
 def _greedy(fns):
@@ -464,42 +514,45 @@ def _greedy(fns):
 
 
 def _top_p_boundary(fns):
-    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    probs = _probs(fns, logits, 1.0, 0, 0.75)
+    probs = _probs(fns, NUCLEUS, 1.0, 0, 0.75)
     kept = int((probs > 0).sum())
     if kept != 2:
-        raise Mismatch(f"with probabilities 0.5, 0.3, 0.15, 0.05 and top_p=0.75, {kept} token(s) keep "
-                       "some probability", TOP_P_HINT)
-    unnormalized = torch.tensor([[0.5, 0.3, 0.0, 0.0]])
-    assert_close(probs, _expected(logits, 1.0, 0, 0.75), "the renormalized nucleus", atol=1e-5,
-                 dims=("row", "token"), bugs=((RENORM_HINT, lambda: unnormalized),))
+        raise Mismatch(f"with probabilities 0.5, 0.3, 0.15, 0.05 and top_p=0.75, {kept} token(s) keep some "
+                       "probability; expected 2", **SAMPLING_BUGS.hint(fns, NUCLEUS, 1.0, 0, 0.75))
+    _probs_compare(fns, NUCLEUS, 1.0, 0, 0.75, "the nucleus of 0.5, 0.3, 0.15, 0.05 at top_p=0.75")
 
 
 def _rows_apart(fns):
     logits = torch.cat([randn(1, 40, seed=102) * 0.5, randn(1, 40, seed=103) * 8])  # flat and peaked rows
-    assert_close(_probs(fns, logits, 0.9, 10, 0.8), _expected(logits, 0.9, 10, 0.8),
-                 "a batch of one flat and one peaked row", atol=1e-5, dims=("row", "token"))
+    _probs_compare(fns, logits, 0.9, 10, 0.8, "a batch of one flat and one peaked row")
 
 
+TOP_P_HINT = ("Sort the probabilities from the most likely and add them up: which tokens are kept, and "
+              "is the token that crosses p among them? Do the kept ones sum to 1?")
 SAMPLING = Task("next_token_probs", "2.1", ("next_token_probs",), (
     Property("returns probabilities: shape (B, V), none negative, each row summing to 1",
-             "Turn logits into probabilities with a softmax over the last dimension.", _probs_valid),
+             "How do logits become probabilities, and over which dimension?", _probs_valid),
     Property("temperature 1 with no cuts is the softmax of the logits",
-             "With top_k 0 and top_p 1.0 nothing is cut.", _sampling_case(1.0, 0, 1.0, "the softmax", 104)),
-    Property("logits in the hundreds give the same softmax (no overflow)", MAX_SUB_HINT, _large_logits),
-    Property("temperature divides the logits: 0.5 sharpens, 2.0 flattens", TEMPERATURE_HINT, _temperatures),
+             "With top_k 0 and top_p 1.0 nothing is cut: what is left?",
+             _sampling_case(1.0, 0, 1.0, "the softmax", 104)),
+    Property("logits in the hundreds give the same softmax (no overflow)",
+             "What does exp() give for a logit of 500, and does your softmax change if every logit of a "
+             "row moves by the same amount?", _large_logits),
+    Property("temperature divides the logits: 0.5 sharpens, 2.0 flattens",
+             "Where in your code does the temperature act: on the logits or on the probabilities?",
+             _temperatures),
     Property("temperature 0 is greedy: all the mass on the largest logit",
-             "Dividing by 0 is not defined: treat temperature 0 as its own case (a one-hot row).", _greedy),
+             "Dividing by 0 is not defined: how does your code treat temperature 0?", _greedy),
     Property("top-k keeps the k most likely tokens, renormalized",
-             "Set every logit below the k-th largest to -inf before the softmax; top_k 0 means no cut.",
+             "Which logits does your top-k cut, and what does top_k 0 do?",
              _sampling_case(1.0, 5, 1.0, "the top-5 distribution", 106)),
     Property("top-p keeps the smallest set of most likely tokens whose mass reaches p", TOP_P_HINT,
              _top_p_boundary),
     Property("temperature, then top-k, then top-p, together",
-             "Apply them in this order: temperature on the logits, top-k on the logits, softmax, top-p "
-             "on the probabilities.", _sampling_case(0.7, 8, 0.6, "the filtered distribution", 107)),
+             "Check the order: temperature on the logits, top-k on the logits, softmax, top-p on the "
+             "probabilities.", _sampling_case(0.7, 8, 0.6, "the filtered distribution", 107), central=True),
     Property("each row of a batch is filtered on its own",
-             "Sort, sum and cut along the last dimension only, row by row.", _rows_apart),
+             "Do your sort, sum and cut run along the last dimension only?", _rows_apart),
 ))
 
 register(ROPE, ATTENTION, MODEL, SAMPLING)

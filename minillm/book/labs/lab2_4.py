@@ -1,8 +1,9 @@
-"""Lab 2.4: serving metrics from timestamps (vLLM's definitions) and a capacity plan.
+"""Lab 2.4: serving metrics from timestamps (vLLM's definitions), a capacity plan, and the knee of a sweep.
 
-The learner writes ``ttft``, ``tpot``, ``itls``, ``e2e``, ``throughput``, ``goodput`` and
-``devices_needed``; :mod:`minillm.analysis.metrics` and :mod:`minillm.analysis.arithmetic` are the reference.
-``compare_metrics`` and ``compare_plan`` are the lab's payoff, on timestamps the lab measures.
+The learner writes ``ttft``, ``tpot``, ``itls``, ``e2e``, ``throughput``, ``goodput``, ``devices_needed``
+and ``knee``; :mod:`minillm.analysis.metrics` and :mod:`minillm.analysis.capacity` are the reference.
+``compare_metrics``, ``compare_plan`` and ``compare_knee`` are the lab's payoff, on timestamps the lab
+measures. Each function's catalogue (:mod:`.diagnosis`) holds the bugs learners write, as code.
 """
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ from ...analysis.metrics import itls as reference_itls
 from ...analysis.metrics import tpot as reference_tpot
 from ...analysis.metrics import ttft as reference_ttft
 from ...analysis.roofline import time_decode_step
-from ...engine import Engine, blocks_for
-from ...engine.workload import poisson_arrivals, random_requests
+from ...analysis.workload import poisson_arrivals, random_requests
+from ...engine import Engine, EngineConfig, blocks_for
+from . import wire
 from .cases import show_text
 from .checker import LearnerError, Mismatch, Property, Task, call, expect_number, register, wrong_value
+from .diagnosis import Bug, Catalogue
+
+wire.register_class(RequestTiming)
 
 
 def _r(arrival: float, *times: float, prompt_len: int = 10) -> RequestTiming:
@@ -34,56 +39,91 @@ ONE = _r(0.5, 0.875)
 NONE = _r(0.25)
 
 
+def _close(a, b) -> bool:
+    return isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isclose(
+        a, b, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def _same_numbers(a, b) -> bool:
+    """Outcomes of numbers (or lists of them, or None) equal to rounding."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_numbers(x, y) for x, y in zip(a, b))
+    return _close(a, b) or (a is None and b is None) or (type(a) is type(b) and a == b)
+
+
 def _value(fns, name, request):
     return expect_number(name, call(fns[name], request))
 
 
-def _same(got: float, expected: float, what: str) -> None:
-    if not math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12):
-        raise Mismatch(f"{what}: got {got:.6g}")
-
-
-def _per_request(name, reference, requests, what, bugs=()):
-    """Each request's value against the reference; ``bugs``: (hint, what that bug computes) for the hint."""
+def _per_request(name, reference, requests, what, catalogue=None):
+    """Each request's value against the reference."""
     def run(fns):
         for request in requests:
             got, expected = _value(fns, name, request), reference(request)
-            if not math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12):
-                hint = next((h for h, bug in bugs if math.isclose(got, bug(request), rel_tol=1e-9)), None)
+            if not _close(got, expected):
                 raise Mismatch(f"{what} of a request arriving at {request.arrival_time} s with tokens at "
-                               f"{list(request.token_times)} s: got {got:.6g}", hint)
+                               f"{list(request.token_times)} s: got {got:.6g}; expected {expected:.6g}",
+                               **(catalogue.hint(fns, request) if catalogue else {}))
     return run
 
 
-N_GAPS_HINT = "TPOT averages the time between tokens over one request; n tokens have n - 1 gaps."
-ARRIVAL_HINT = "Start from the first token's time, not the arrival: TPOT leaves out the wait and the prefill."
-TPOT_BUGS = ((N_GAPS_HINT, lambda r: (r.token_times[-1] - r.token_times[0]) / len(r.token_times)),
-             (ARRIVAL_HINT, lambda r: (r.token_times[-1] - r.arrival_time) / (len(r.token_times) - 1)),
-             (ARRIVAL_HINT, lambda r: (r.token_times[-1] - r.arrival_time) / len(r.token_times)))
+def _one_request_probes():
+    return [(QUEUED,), (PROMPT,), (SLOW_START,), (ONE,)]
 
+
+TTFT_BUGS = Catalogue("ttft", reference_ttft, (
+    Bug("ttft.no_arrival", "the first token's time alone", "TTFT runs from the request's arrival.",
+        lambda r: r.token_times[0]),
+    Bug("ttft.last_token", "the last token's time minus the arrival (that is E2E)",
+        "TTFT ends at the first token.", lambda r: r.token_times[-1] - r.arrival_time),
+), _one_request_probes, same=_same_numbers)
 
 TTFT = Task("ttft", "2.4", ("ttft",), (
-    Property("returns a number of seconds", "Return a float.", _per_request("ttft", reference_ttft, [PROMPT],
-                                                                            "TTFT")),
+    Property("returns a number of seconds", "What does your function return?",
+             _per_request("ttft", reference_ttft, [PROMPT], "TTFT", TTFT_BUGS)),
     Property("first token time - arrival time, the wait in the queue included",
-             "TTFT starts when the request arrives, not when it starts running.",
-             _per_request("ttft", reference_ttft, [QUEUED, ONE, SLOW_START], "TTFT")),
+             "When does the clock start for TTFT, and when does it stop?",
+             _per_request("ttft", reference_ttft, [QUEUED, ONE, SLOW_START], "TTFT", TTFT_BUGS), central=True),
 ))
+
+
+def _tpot_slip(over_n=False, from_arrival=False, zero=False):
+    def tpot(r):
+        n = len(r.token_times)
+        if n < 2:
+            return 0.0 if zero else None
+        start = r.arrival_time if from_arrival else r.token_times[0]
+        return (r.token_times[-1] - start) / (n if over_n else n - 1)
+    return tpot
+
+
+TPOT_BUGS = Catalogue("tpot", reference_tpot, (
+    Bug("tpot.over_n", "dividing by the number of tokens", "TPOT averages the gaps between tokens: n tokens "
+        "have n - 1 gaps.", _tpot_slip(over_n=True)),
+    Bug("tpot.from_arrival", "timing from the arrival", "TPOT starts at the first token: it leaves out the "
+        "wait and the prefill.", _tpot_slip(from_arrival=True)),
+    Bug("tpot.from_arrival_over_n", "timing from the arrival over n tokens", "TPOT starts at the first token "
+        "and averages the n - 1 gaps after it.", _tpot_slip(from_arrival=True, over_n=True)),
+    Bug("tpot.zero", "0 for a request with one token", "One token has no gap: TPOT is undefined (None), "
+        "and 0 would count as meeting any objective.", _tpot_slip(zero=True)),
+), _one_request_probes, same=_same_numbers)
 
 
 def _tpot_one(fns):
     value = call(fns["tpot"], ONE)
     if value is not None:
-        raise Mismatch(f"for a request with one token, tpot returned {value!r}")
+        raise Mismatch(f"for a request with one token, tpot returned {value!r}; expected None",
+                       **TPOT_BUGS.hint(fns, ONE))
 
 
+TPOT_HINT = "Which two times does your TPOT subtract, and by what does it divide? Work PROMPT out by hand."
 TPOT = Task("tpot", "2.4", ("tpot",), (
-    Property("(last token - first token) / (tokens - 1), one value per request", N_GAPS_HINT,
-             _per_request("tpot", reference_tpot, [PROMPT, QUEUED], "TPOT", TPOT_BUGS)),
-    Property("excludes the first token: a late first token does not change it", ARRIVAL_HINT,
+    Property("(last token - first token) / (tokens - 1), one value per request", TPOT_HINT,
+             _per_request("tpot", reference_tpot, [PROMPT, QUEUED], "TPOT", TPOT_BUGS), central=True),
+    Property("excludes the first token: a late first token does not change it", TPOT_HINT,
              _per_request("tpot", reference_tpot, [SLOW_START], "TPOT", TPOT_BUGS)),
     Property("is None (undefined) for a request with one token, not 0",
-             "One token has no gap: return None.", _tpot_one),
+             "How many gaps does one token have?", _tpot_one),
 ))
 
 
@@ -94,36 +134,51 @@ def _itls(fns, request):
     return [expect_number("itls", g) for g in gaps]
 
 
+ITL_BUGS = Catalogue("itls", reference_itls, (
+    Bug("itls.from_arrival", "a first gap from the arrival", "An ITL is a gap between two tokens: the "
+        "arrival plays no part.", lambda r: [b - a for a, b in zip([r.arrival_time] + r.token_times[:-1],
+                                                                   r.token_times)]),
+    Bug("itls.since_first", "each token's time since the first token", "Each gap is between two "
+        "consecutive tokens, not back to the first.", lambda r: [t - r.token_times[0] for t in r.token_times[1:]]),
+), _one_request_probes, observe=lambda f, r: list(f(r)), same=_same_numbers)
+
+
 def _itls_count(fns):
     for request in (PROMPT, QUEUED, ONE):
         gaps = _itls(fns, request)
         if len(gaps) != len(request.token_times) - 1:
-            raise Mismatch(f"{len(request.token_times)} tokens gave {len(gaps)} gaps")
+            raise Mismatch(f"{len(request.token_times)} tokens gave {len(gaps)} gaps; expected "
+                           f"{len(request.token_times) - 1}", **ITL_BUGS.hint(fns, request))
 
 
 def _itls_values(fns):
     for request in (QUEUED, SLOW_START):
-        got = _itls(fns, request)
-        if len(got) != len(request.token_times) - 1 or any(
-                not math.isclose(a, b, abs_tol=1e-12) for a, b in zip(got, reference_itls(request))):
-            raise Mismatch(f"tokens at {list(request.token_times)} s gave gaps {[round(g, 4) for g in got]}")
+        got, expected = _itls(fns, request), reference_itls(request)
+        if not _same_numbers(got, expected):
+            raise Mismatch(f"tokens at {list(request.token_times)} s gave gaps {[round(g, 4) for g in got]}; "
+                           f"expected {[round(g, 4) for g in expected]}", **ITL_BUGS.hint(fns, request))
 
 
 ITL = Task("itls", "2.4", ("itls",), (
     Property("one gap per pair of consecutive tokens (n tokens, n - 1 gaps; none for one token)",
-             "Pair each token time with the next one.", _itls_count),
+             "Which pairs of times does your code subtract?", _itls_count),
     Property("each gap is the time between two consecutive tokens",
-             "The arrival time plays no part in an ITL.", _itls_values),
+             "Which pairs of times does your code subtract?", _itls_values, central=True),
 ))
 
 
+E2E_BUGS = Catalogue("e2e", e2e_latency, (
+    Bug("e2e.from_first", "timing from the first token", "End to end runs from the arrival.",
+        lambda r: r.token_times[-1] - r.token_times[0]),
+), _one_request_probes, same=_same_numbers)
+
 E2E = Task("e2e", "2.4", ("e2e",), (
-    Property("last token time - arrival time",
-             "End to end: from arrival to the last token.",
-             _per_request("e2e", e2e_latency, [PROMPT, QUEUED, SLOW_START], "E2E latency")),
+    Property("last token time - arrival time", "When does the clock start and stop for E2E?",
+             _per_request("e2e", e2e_latency, [PROMPT, QUEUED, SLOW_START], "E2E latency", E2E_BUGS),
+             central=True),
     Property("for a one-token request it equals the TTFT",
-             "With one token, the first token is the last.", _per_request("e2e", e2e_latency, [ONE],
-                                                                          "E2E latency")),
+             "With one token, which token is the last?", _per_request("e2e", e2e_latency, [ONE], "E2E latency",
+                                                                      E2E_BUGS)),
 ))
 
 
@@ -132,87 +187,107 @@ E2E = Task("e2e", "2.4", ("e2e",), (
 RUN = [PROMPT, QUEUED, ONE, NONE, SLOW_START]  # NONE produced no token: a failed request
 
 
+def _throughput_reference(requests, duration):
+    metrics = serving_metrics(requests, duration=duration)
+    return metrics.request_throughput, metrics.output_throughput
+
+
+THROUGHPUT_BUGS = Catalogue("throughput", _throughput_reference, (
+    Bug("throughput.failed_requests", "a request rate that counts failed requests",
+        "A request that produced no token did not complete.",
+        lambda rs, d: (len(rs) / d, sum(len(r.token_times) for r in rs) / d)),
+    Bug("throughput.tokens_per_request", "output tokens per request instead of per second",
+        "Throughput is a rate: divide by the duration.",
+        lambda rs, d: (sum(bool(r.token_times) for r in rs) / d,
+                       sum(len(r.token_times) for r in rs) / max(sum(bool(r.token_times) for r in rs), 1))),
+), lambda: [(list(RUN), 4.0), ([PROMPT, NONE], 2.0)], observe=lambda f, rs, d: list(f(list(rs), d)),
+    same=_same_numbers)
+
+
 def _pair(fns, requests, duration):
     out = call(fns["throughput"], list(requests), duration)
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise wrong_value("throughput", out, "a pair (requests per second, "
-                          "output tokens per second)")
+        raise wrong_value("throughput", out, "a pair (requests per second, output tokens per second)")
     return expect_number("throughput", out[0]), expect_number("throughput", out[1])
 
 
-def _throughput_tokens(fns):
-    metrics = serving_metrics(RUN, duration=4.0)
-    _same(_pair(fns, RUN, 4.0)[1], metrics.output_throughput, "output tokens per second over 4 s")
-
-
-def _throughput_requests(fns):
-    metrics = serving_metrics(RUN, duration=4.0)
-    _same(_pair(fns, RUN, 4.0)[0], metrics.request_throughput,
-          "completed requests per second over 4 s (one of the 5 requests produced no token)")
+def _throughput_part(index, what):
+    def run(fns):
+        got, expected = _pair(fns, RUN, 5.0)[index], _throughput_reference(RUN, 5.0)[index]
+        if not _close(got, expected):
+            raise Mismatch(f"{what}: got {got:.6g}; expected {expected:.6g}", **THROUGHPUT_BUGS.hint(fns, RUN, 5.0))
+    return run
 
 
 THROUGHPUT = Task("throughput", "2.4", ("throughput",), (
     Property("output tokens per second of the run",
-             "Count every output token of every request and divide by the duration.", _throughput_tokens),
+             "Which tokens do you count, and what do you divide by?",
+             _throughput_part(1, "output tokens per second over 5 s"), central=True),
     Property("completed requests per second: a request with no token is not completed",
-             "A request completes when it produced at least one token.", _throughput_requests),
+             "Which requests count as completed?",
+             _throughput_part(0, "completed requests per second over 5 s (one of the 5 requests produced no "
+                                 "token)")),
 ))
 
 
-STRICT_HINT = "Meeting an objective means <=, not <: a request exactly at it meets it."
-SLOWEST_GAP_HINT = ("That is the slowest gap (an ITL objective): the TPOT objective applies to the request's "
-                    "mean gap, (last - first) / (n - 1).")
-FAILED_HINT = "A request with no token failed: it meets no objective, so it is never good."
-RATE_OF_HINT = "Goodput is a rate: divide the number of good requests by the duration, not by the request count."
+def _goodput_slip(strict=False, slowest=False, failed=False, fraction=False):
+    def goodput(requests, duration, ttft_slo, tpot_slo):
+        good = 0
+        for r in requests:
+            if not r.token_times:
+                good += failed
+                continue
+            gaps = reference_itls(r)
+            per_token = (max(gaps) if slowest else reference_tpot(r)) if gaps else None
+            meets = (lambda a, b: a < b) if strict else (lambda a, b: a <= b)
+            good += meets(reference_ttft(r), ttft_slo) and (per_token is None or meets(per_token, tpot_slo))
+        return good / (len(requests) if fraction else duration)
+    return goodput
 
 
-def _goodput_variant(requests, duration, ttft_slo, tpot_slo, strict=False, slowest=False, failed=False,
-                     fraction=False) -> float:
-    """The goodput a known bug computes."""
-    good = 0
-    for r in requests:
-        if not r.token_times:
-            good += failed
-            continue
-        gaps = reference_itls(r)
-        per_token = (max(gaps) if slowest else reference_tpot(r)) if gaps else None
-        meets = (lambda a, b: a < b) if strict else (lambda a, b: a <= b)
-        good += meets(reference_ttft(r), ttft_slo) and (per_token is None or meets(per_token, tpot_slo))
-    return good / (len(requests) if fraction else duration)
+GOODPUT_BUGS = Catalogue("goodput", _goodput_slip(), (
+    Bug("goodput.strict", "objectives met only strictly (<)", "A request exactly at an objective meets it.",
+        _goodput_slip(strict=True)),
+    Bug("goodput.slowest_gap", "the slowest gap judged against the TPOT objective", "The TPOT objective "
+        "applies to the request's mean gap, its TPOT; the slowest gap is an ITL objective.",
+        _goodput_slip(slowest=True)),
+    Bug("goodput.failed", "failed requests counted as good", "A request with no token failed: it meets no "
+        "objective.", _goodput_slip(failed=True)),
+    Bug("goodput.fraction", "a share of the requests instead of a rate", "Goodput is a rate: good requests "
+        "per second of the run.", _goodput_slip(fraction=True)),
+), lambda: [([PROMPT, QUEUED], 4.0, 0.75, 0.125), ([QUEUED], 4.0, 1.0, 0.09), ([NONE, PROMPT], 2.0, 1.0, 1.0),
+            ([PROMPT, QUEUED, SLOW_START, ONE], 4.0, 1.0, 0.0625)],
+    observe=lambda f, rs, d, t, p: f(list(rs), d, t, p), same=_same_numbers)
 
 
 def _good(fns, requests, duration, ttft_slo, tpot_slo, what):
     got = expect_number("goodput", call(fns["goodput"], list(requests), duration, ttft_slo, tpot_slo))
     expected = serving_metrics(requests, duration=duration, slo=SLO(ttft=ttft_slo, tpot=tpot_slo)).goodput
-    if math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12):
-        return
-    bugs = ((SLOWEST_GAP_HINT, {"slowest": True}), (STRICT_HINT, {"strict": True}), (FAILED_HINT, {"failed": True}),
-            (RATE_OF_HINT, {"fraction": True}))
-    values = {h: _goodput_variant(requests, duration, ttft_slo, tpot_slo, **bug) for h, bug in bugs}
-    matches = [h for h, value in values.items() if math.isclose(got, value, rel_tol=1e-9)]
-    hint = matches[0] if len(matches) == 1 else None  # two bugs that give the same value: say neither
-    raise Mismatch(f"{what}: got {got:.6g}", hint)
+    if not _close(got, expected):
+        raise Mismatch(f"{what}: got {got:.6g} requests/s; expected {expected:.6g}",
+                       **GOODPUT_BUGS.hint(fns, requests, duration, ttft_slo, tpot_slo))
 
 
 def _goodput_case(requests, ttft_slo, tpot_slo, what):
     return lambda fns: _good(fns, requests, 4.0, ttft_slo, tpot_slo, what)
 
 
+GOODPUT_HINT = ("For each request of this case, work out by hand its TTFT and its TPOT, and whether it meets "
+                "both objectives; then compare with what your function decides for it.")
 GOODPUT = Task("goodput", "2.4", ("goodput",), (
-    Property("requests per second that meet both objectives",
-             "Count the requests whose TTFT and TPOT are both within their objective; divide by the "
-             "duration.", _goodput_case([PROMPT, QUEUED, SLOW_START], 1.0, 0.0625,
-                                         "goodput with TTFT <= 1 s and TPOT <= 62.5 ms")),
-    Property("a request exactly at an objective meets it", STRICT_HINT,
+    Property("requests per second that meet both objectives", GOODPUT_HINT,
+             _goodput_case([PROMPT, QUEUED, SLOW_START], 1.0, 0.0625,
+                           "goodput with TTFT <= 1 s and TPOT <= 62.5 ms"), central=True),
+    Property("a request exactly at an objective meets it", GOODPUT_HINT,
              _goodput_case([PROMPT, QUEUED], 0.75, 0.125, "goodput with TTFT <= 0.75 s and TPOT <= 125 ms")),
     Property("a one-token request has no TPOT, so it meets any TPOT objective",
-             "Only the TTFT objective applies to it: tpot returns None for it.",
+             "Which objectives apply to a request whose TPOT is None?",
              _goodput_case([ONE, PROMPT], 0.5, 0.01, "goodput with TPOT <= 10 ms")),
-    Property("a request with no token is never good", FAILED_HINT,
-             _goodput_case([NONE, PROMPT], 1.0, 1.0, "goodput with loose objectives")),
-    Property("TPOT is the request's mean gap, not its slowest ITL", SLOWEST_GAP_HINT,
-             _goodput_case([QUEUED], 1.0, 0.09, "goodput of a request with gaps 62.5, 62.5, 125 ms "
-                                                "against TPOT <= 90 ms")),
+    Property("a request with no token is never good", "What does your function do with a request that has "
+             "no token?", _goodput_case([NONE, PROMPT], 1.0, 1.0, "goodput with loose objectives")),
+    Property("TPOT is the request's mean gap, not its slowest ITL", GOODPUT_HINT,
+             _goodput_case([QUEUED], 1.0, 0.09, "goodput of a request with gaps 62.5, 62.5, 125 ms against "
+                                                "TPOT <= 90 ms")),
 ))
 
 
@@ -224,29 +299,44 @@ def _reference_devices(concurrency, tpot_slo, rate, request_bytes, device_bytes)
     return max(by_rate, by_memory)
 
 
+def _devices_slip(floor=False, plus_one=False, no_memory=False, divide=False):
+    def devices(concurrency, tpot_slo, rate, request_bytes, device_bytes):
+        by_memory = device_bytes // request_bytes
+        if by_memory == 0:
+            raise ValueError("no request fits")
+        by_rate = rate / tpot_slo if divide else rate * tpot_slo
+        per_device = by_rate if no_memory else min(by_rate, by_memory)
+        if floor or plus_one:
+            return int(concurrency / per_device) + plus_one
+        return math.ceil(concurrency / per_device)
+    return devices
+
+
+PLAN_PROBES = [(100, 0.03125, 1920.0, 10**8, 40 * 10**9), (64, 0.03125, 100000.0, 32 * 10**8, 44 * 10**9),
+               (120, 0.03125, 1920.0, 10**8, 40 * 10**9), (121, 0.03125, 1920.0, 10**8, 40 * 10**9),
+               (50, 0.05, 400.0, 5 * 10**8, 4 * 10**9)]
+PLAN_BUGS = Catalogue("devices_needed", _reference_devices, (
+    Bug("devices.floor", "a division rounded down", "Whole devices: round a fraction up.",
+        _devices_slip(floor=True)),
+    Bug("devices.plus_one", "one device added to the rounded-down division", "Round up with the ceiling: a "
+        "division that comes out whole needs no extra device.", _devices_slip(plus_one=True)),
+    Bug("devices.no_memory", "a plan from the decode rate alone", "Memory is a limit too: a device holds only "
+        "whole requests' KV caches.", _devices_slip(no_memory=True)),
+    Bug("devices.divide", "a decode rate divided by the TPOT objective", "A stream at the objective takes "
+        "1 / tpot_slo tokens per second: how many such streams does a device's decode rate feed?",
+        _devices_slip(divide=True)),
+), lambda: list(PLAN_PROBES))
+
+
 def _devices(fns, *args) -> int:
     return expect_number("devices_needed", call(fns["devices_needed"], *args), integer=True)
-
-
-CEIL_HINT = "Use the ceiling of a division (math.ceil); a whole number needs no extra device."
-PER_STREAM_HINT = ("A stream at the TPOT objective takes 1 / tpot_slo tokens per second, so a device keeps "
-                   "decode_tokens_per_s * tpot_slo streams (multiply, do not divide).")
-MEMORY_HINT = "A device holds kv_bytes_per_device // kv_bytes_per_request whole requests: memory can decide."
-
-
-def _plan_bugs(concurrency, tpot_slo, rate, request_bytes, device_bytes):
-    per_device = min(rate * tpot_slo, device_bytes // request_bytes)
-    return ((CEIL_HINT, int(concurrency / per_device)), (CEIL_HINT, int(concurrency / per_device) + 1),
-            (MEMORY_HINT, math.ceil(concurrency / (rate * tpot_slo))),
-            (PER_STREAM_HINT, math.ceil(concurrency / min(rate / tpot_slo, device_bytes // request_bytes))))
 
 
 def _plan_case(args, what):
     def run(fns):
         got, expected = _devices(fns, *args), _reference_devices(*args)
         if got != expected:
-            hint = next((h for h, bug in _plan_bugs(*args) if bug == got and bug != expected), None)
-            raise Mismatch(f"{what}: devices_needed says {got}", hint)
+            raise Mismatch(f"{what}: devices_needed says {got}; expected {expected}", **PLAN_BUGS.hint(fns, *args))
     return run
 
 
@@ -264,27 +354,28 @@ def _plan_impossible(fns):
             return
         raise
     raise Mismatch(f"a request needing 50 GB of KV cache on a device with 40 GB for KV: devices_needed "
-                   f"returned {value!r} instead of raising ValueError")
+                   f"returned {value!r}; expected it to raise ValueError")
 
 
 def _plan_rounding(fns):
     for concurrency in (120, 121):
-        _plan_case((concurrency, 0.03125, 1920.0, 10**8, 40 * 10**9),
-                   f"{concurrency} streams, 60 a device")(fns)
+        _plan_case((concurrency, 0.03125, 1920.0, 10**8, 40 * 10**9), f"{concurrency} streams, 60 a device")(fns)
 
 
+PLAN_HINT = ("Work this case out by hand: how many streams does one device keep by its decode rate, how many "
+             "by its memory, which limit binds, and how many devices does that make?")
 PLAN = Task("devices_needed", "2.4", ("devices_needed",), (
-    Property("returns an int (whole devices)", "Round up with math.ceil and return an int.", _plan_int),
-    Property("TPOT decides when memory is plentiful", PER_STREAM_HINT,
+    Property("returns an int (whole devices)", "What type does your function return?", _plan_int),
+    Property("TPOT decides when memory is plentiful", PLAN_HINT,
              _plan_case((100, 0.03125, 1920.0, 10**8, 40 * 10**9),
-                        "100 streams, TPOT <= 31.25 ms, 1920 tokens/s a device")),
-    Property("memory decides when each request's KV cache is large", MEMORY_HINT,
+                        "100 streams, TPOT <= 31.25 ms, 1920 tokens/s a device"), central=True),
+    Property("memory decides when each request's KV cache is large", PLAN_HINT,
              _plan_case((64, 0.03125, 100000.0, 32 * 10**8, 44 * 10**9),
-                        "64 requests of 3.2 GB on devices with 44 GB for KV")),
-    Property("rounds up to whole devices, and not when it divides exactly", CEIL_HINT, _plan_rounding),
+                        "64 requests of 3.2 GB on devices with 44 GB for KV"), central=True),
+    Property("rounds up to whole devices, and not when it divides exactly", PLAN_HINT, _plan_rounding),
     Property("raises ValueError when one request does not fit on a device",
-             "If a device holds 0 requests, no number of devices serves them: raise ValueError with a "
-             "message.", _plan_impossible),
+             "How many requests does a device hold when one request is larger than its memory?",
+             _plan_impossible),
 ))
 
 
@@ -304,18 +395,6 @@ def _reference_knee(sweep, keep_up=0.9):
     return _walk(sorted(sweep), keep_up)
 
 
-KNEE_STRICT_HINT = ("A run that completes exactly keep_up x offered keeps up: compare with >=, as an "
-                    "objective is met at its bound.")
-KNEE_SORT_HINT = "The sweep comes in any order: sort it by offered rate before walking up the loads."
-KNEE_FIRST_FALL_HINT = ("Stop at the first rate the server falls behind: a higher rate that happens to keep "
-                        "up after it is noise, not capacity. The knee is the last rate before the first fall.")
-KNEE_FALLING_HINT = ("Return the last offered rate that kept up, not the first one that fell behind: the knee "
-                     "is a rate the server still serves.")
-KNEE_OFFERED_HINT = "Return an offered rate (the load you can promise), not the completion rate measured there."
-KNEE_NONE_HINT = "When the server falls behind at the lowest rate already, no rate of the sweep is safe: return None."
-KNEE_ARG_HINT = "Use the keep_up argument you are given; the default 0.9 is only a default."
-
-
 def _first_fall(sweep, keep_up):
     return next((offered for offered, completed in sorted(sweep) if completed < keep_up * offered), None)
 
@@ -328,55 +407,63 @@ def _any_rate_kept(sweep, keep_up):
     return max((offered for offered, completed in sweep if completed >= keep_up * offered), default=None)
 
 
-KNEE_BUGS = (  # (hint, what the bug returns)
-    (KNEE_STRICT_HINT, lambda sweep, keep_up: _walk(sorted(sweep), keep_up, strict=True)),
-    (KNEE_SORT_HINT, _walk),
-    (KNEE_FIRST_FALL_HINT, _any_rate_kept),
-    (KNEE_FALLING_HINT, _first_fall),
-    (KNEE_OFFERED_HINT, _completed_at_knee),
-    (KNEE_ARG_HINT, lambda sweep, keep_up: _reference_knee(sweep)),
-)
+SWEEP = [(10.0, 10.1), (20.0, 19.4), (30.0, 27.9), (40.0, 31.0), (50.0, 30.2)]  # offered, completed req/s
+KNEE_BUGS = Catalogue("knee", _reference_knee, (
+    Bug("knee.strict", "keeping up only strictly above keep_up x offered", "A run that completes exactly "
+        "keep_up x offered keeps up: an objective is met at its bound.",
+        lambda s, k=0.9: _walk(sorted(s), k, strict=True)),
+    Bug("knee.unsorted", "a walk in the sweep's own order", "The sweep comes in any order: walk it from the "
+        "lowest offered rate up.", lambda s, k=0.9: _walk(s, k)),
+    Bug("knee.any_rate", "the highest rate that keeps up anywhere in the sweep", "Stop at the first rate the "
+        "server falls behind: a higher rate that happens to keep up after it is noise, not capacity.",
+        lambda s, k=0.9: _any_rate_kept(s, k)),
+    Bug("knee.first_fall", "the first rate that falls behind", "The knee is a rate the server still serves: "
+        "the last one before the first fall.", lambda s, k=0.9: _first_fall(s, k)),
+    Bug("knee.completed", "the completion rate at the knee", "Return an offered rate, the load you can "
+        "promise.", lambda s, k=0.9: _completed_at_knee(s, k)),
+    Bug("knee.fixed_keep_up", "a keep_up fixed at 0.9", "Use the keep_up you are given.",
+        lambda s, k=0.9: _reference_knee(s)),
+    Bug("knee.zero", "0 when no rate keeps up", "When the server falls behind at the lowest rate, no rate of "
+        "the sweep is safe: None says so, 0 would read as a rate.", lambda s, k=0.9: _reference_knee(s, k) or 0.0),
+), lambda: [(SWEEP, 0.9), ([(10.0, 10.0), (20.0, 18.0), (30.0, 20.0)], 0.9),
+            ([SWEEP[3], SWEEP[0], SWEEP[4], SWEEP[2], SWEEP[1]], 0.9),
+            ([(10.0, 10.0), (20.0, 15.0), (30.0, 29.5), (40.0, 30.0)], 0.9), ([(10.0, 5.0), (20.0, 6.0)], 0.9),
+            ([(10.0, 6.0), (20.0, 11.0), (40.0, 15.0), (80.0, 16.0)], 0.5)],
+    observe=lambda f, sweep, keep_up: f(list(sweep), keep_up), same=_same_numbers)
 
 
-def _knee_case(sweep, keep_up, what, hint=None):
+def _knee_case(sweep, keep_up, what):
     def run(fns):
+        k = 0.9 if keep_up is None else keep_up
         args = (list(sweep),) if keep_up is None else (list(sweep), keep_up)
-        got = call(fns["knee"], *args)
-        expected = _reference_knee(sweep, 0.9 if keep_up is None else keep_up)
-        if got is None or expected is None:
-            if got is not expected:
-                raise Mismatch(f"{what}: got {got!r}, expected {expected!r}",
-                               KNEE_NONE_HINT if expected is None else hint)
-            return
-        if isinstance(got, bool) or not isinstance(got, (int, float)):
+        got, expected = call(fns["knee"], *args), _reference_knee(sweep, k)
+        if got is not None and (isinstance(got, bool) or not isinstance(got, (int, float))):
             raise wrong_value("knee", got, "an offered rate (a number) or None")
-        if not math.isclose(got, expected):
-            k = 0.9 if keep_up is None else keep_up
-            found = next((h for h, bug in KNEE_BUGS
-                          if (b := bug(list(sweep), k)) is not None and math.isclose(got, b)), None)
-            raise Mismatch(f"{what}: got {got:g} req/s", found or hint)
+        if not _same_numbers(got, expected):
+            raise Mismatch(f"{what}: got {got!r}; expected {expected!r}", **KNEE_BUGS.hint(fns, list(sweep), k))
     return run
 
 
-KNEE_HINT = "Walk up the offered rates; the knee is the last one where completed >= keep_up x offered."
-SWEEP = [(10.0, 10.1), (20.0, 19.4), (30.0, 27.9), (40.0, 31.0), (50.0, 30.2)]  # offered, completed req/s
+KNEE_HINT = ("Walk this sweep by hand from the lowest offered rate: where does it first fall behind "
+             "(completed < keep_up x offered), and which rate comes just before?")
 KNEE = Task("knee", "2.4", ("knee",), (
     Property("a sweep in order: the last offered rate the server keeps up with", KNEE_HINT,
-             _knee_case(SWEEP, None, "the knee of a sweep at 10..50 req/s")),
-    Property("a run completing exactly keep_up x offered keeps up", KNEE_STRICT_HINT,
+             _knee_case(SWEEP, None, "the knee of a sweep at 10..50 req/s"), central=True),
+    Property("a run completing exactly keep_up x offered keeps up",
+             "Which comparison does your code use for keeping up?",
              _knee_case([(10.0, 10.0), (20.0, 18.0), (30.0, 20.0)], 0.9,
                         "the knee where 20 req/s completes exactly 18")),
-    Property("the sweep in any order", KNEE_SORT_HINT,
+    Property("the sweep in any order", "In which order does your code walk the sweep?",
              _knee_case([SWEEP[3], SWEEP[0], SWEEP[4], SWEEP[2], SWEEP[1]], None,
                         "the knee of the same sweep, shuffled")),
-    Property("the last rate before the first fall, even if a higher rate keeps up again", KNEE_FIRST_FALL_HINT,
+    Property("the last rate before the first fall, even if a higher rate keeps up again", KNEE_HINT,
              _knee_case([(10.0, 10.0), (20.0, 15.0), (30.0, 29.5), (40.0, 30.0)], 0.9,
                         "the knee of a sweep that falls at 20 and recovers at 30")),
-    Property("None when the server falls behind at the lowest rate", KNEE_NONE_HINT,
+    Property("None when the server falls behind at the lowest rate",
+             "What does your function return when no rate keeps up?",
              _knee_case([(10.0, 5.0), (20.0, 6.0)], 0.9, "the knee of a sweep that never keeps up")),
-    Property("uses the keep_up fraction it is given", KNEE_ARG_HINT,
-             _knee_case([(10.0, 6.0), (20.0, 11.0), (40.0, 15.0), (80.0, 16.0)], 0.5,
-                        "the knee at keep_up = 0.5")),
+    Property("uses the keep_up fraction it is given", "Where does keep_up enter your comparison?",
+             _knee_case([(10.0, 6.0), (20.0, 11.0), (40.0, 15.0), (80.0, 16.0)], 0.5, "the knee at keep_up = 0.5")),
 ))
 
 register(TTFT, TPOT, ITL, E2E, THROUGHPUT, GOODPUT, PLAN, KNEE)
@@ -466,7 +553,7 @@ CHAT = dict(prompt_len=(16, 64), output_len=(8, 16))  # chapter 2.4's chat workl
 
 def _engine_run(model, requests, concurrency=None):
     longest = max(len(r.prompt_ids) + r.max_tokens for r in requests)
-    engine = Engine(model, max_batch_size=8, num_blocks=8 * blocks_for(longest, 16))
+    engine = Engine(model, EngineConfig(max_batch_size=8, num_blocks=8 * blocks_for(longest, 16)))
     return engine.run(requests, concurrency)
 
 

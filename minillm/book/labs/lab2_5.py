@@ -2,7 +2,8 @@
 
 The learner writes ``quantize_int8`` (one scale per output row), ``quantize_int4`` (a scale and a minimum
 per group of 32 weights of a row, the GGUF file's Q4_1 layout), ``bytes_per_step``, ``predict_tokens_per_s``
-and ``decode_tokens_per_s``. Each check names the bug its outcome points at. The last task runs SmolLM2 on
+and ``decode_tokens_per_s``; each function's catalogue (:mod:`.diagnosis`) holds the bugs learners write,
+as code. The last task runs SmolLM2 on
 this machine: the learner's bound from a bandwidth ``minillm.analysis.roofline.measure_bandwidth`` measures,
 against a rate the checker measures and the learner's function computes. ``quantized_models``,
 ``compare_quality`` and ``compare_speed`` are the payoff: the learner's own weights in minillm's int8 and
@@ -34,6 +35,7 @@ from ...fast.quant import (
 )
 from ...generate import stream_generate
 from ...model import build_model
+from . import wire
 from .cases import encode_prompt, randn, tiny_model
 from .checker import (
     LearnerError,
@@ -48,6 +50,7 @@ from .checker import (
     register,
     wrong_value,
 )
+from .diagnosis import Bug, Catalogue
 
 GROUP = 32  # weights of a row that share one int4 scale and minimum
 # What a learner's bytes_per_step may read from minillm's objects: attributes, not counting code.
@@ -82,19 +85,53 @@ def dequantize_groups(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor)
 
 # --- quantize_int8 ------------------------------------------------------------------------------------------
 
-INT8_COLUMNS_HINT = ("One scale per output row: take max |w| over each row's inputs (dim=1), giving (out,) "
-                     "scales; dim=0 gives one per input column.")
-INT8_TENSOR_HINT = ("Each row needs its own scale: one scale for the whole matrix wastes the grid on rows "
-                    "whose weights are small. Take max |w| over dim=1.")
-INT8_128_HINT = ("The scale is max |w| / 127, not / 128: int8 holds -128..127, so 128 steps overflow "
-                 "(or clip) at the row's largest weight. A symmetric grid uses -127..127.")
-INT8_ABS_HINT = ("Use the largest absolute value, w.abs().amax(dim=1): a row whose most extreme weight is "
-                 "negative needs the grid to reach it too.")
-ROUND_HINT = ("Round to the nearest step (torch.round); int() and .to(torch.int8) cut towards zero and "
-              "floor() goes down, so an error reaches a whole step instead of half of one.")
-ZERO_ROW_HINT = ("An all-zero row has max |w| = 0: dividing by it gives NaN. Give such a row scale 1 "
-                 "(torch.where(amax > 0, amax / 127, 1)).")
-INT8_TYPE_HINT = "Return q as int8 (q.to(torch.int8)) and one float32 scale per row: (q, scales)."
+def _int8_slip(weight, dim=1, divisor=127, signed_max=False, rounding=torch.round, guard=True, per_tensor=False,
+               scale_dtype=torch.float32):
+    """Symmetric int8 per output row, and the usual slips (flags)."""
+    amax = weight.amax(dim=dim) if signed_max else weight.abs().amax(dim=dim)
+    if per_tensor:
+        amax = weight.abs().max().expand(weight.shape[0])
+    scales = torch.where(amax > 0, amax / divisor, torch.ones_like(amax)) if guard else amax / divisor
+    scale = scales[:, None] if dim == 1 else scales[None, :]
+    return rounding(weight / scale).clamp(-127, 127).to(torch.int8), scales.to(scale_dtype)
+
+
+def _int8_outcome(function, weight):
+    q, scales = function(weight.clone())
+    return q.to(torch.int64), scales.float().reshape(-1)
+
+
+def _rows_of_different_sizes(seed: int, rows: int = 6, width: int = 64) -> torch.Tensor:
+    """Rows whose largest weight spans four orders of magnitude, one row dominated by a negative weight."""
+    w = randn(rows, width, seed=seed) * torch.logspace(-2, 1, rows)[:, None]  # (rows, width)
+    w[1, 5] = -4 * float(w[1].abs().max())  # its largest |w| is negative
+    return w
+
+
+def _int8_probes():
+    zero_row = _rows_of_different_sizes(440)
+    zero_row[2] = 0
+    return [(_rows_of_different_sizes(441),), (zero_row,)]
+
+
+INT8_BUGS = Catalogue("quantize_int8", _int8_slip, (
+    Bug("int8.per_tensor", "one scale for the whole matrix", "Each row gets its own scale, from its own "
+        "largest magnitude.", lambda w: _int8_slip(w, per_tensor=True)),
+    Bug("int8.over_128", "a scale of max |w| / 128", "int8 holds -128..127: with 128 steps the row's largest "
+        "weight overflows the grid. The symmetric grid is -127..127.", lambda w: _int8_slip(w, divisor=128)),
+    Bug("int8.signed_max", "a scale from the largest weight, not the largest magnitude", "A row whose most "
+        "extreme weight is negative needs the grid to reach it too.", lambda w: _int8_slip(w, signed_max=True)),
+    Bug("int8.truncate", "q cut towards zero instead of rounded", "A cast to an integer type cuts towards "
+        "zero: an error can then reach a whole step; round to the nearest step first.",
+        lambda w: _int8_slip(w, rounding=torch.trunc)),
+    Bug("int8.floor", "q rounded down", "Round to the nearest step, not down.",
+        lambda w: _int8_slip(w, rounding=torch.floor)),
+    Bug("int8.zero_row", "a division by a zero row's max", "An all-zero row has max |w| = 0: give it scale 1.",
+        lambda w: _int8_slip(w, guard=False)),
+    Bug("int8.bf16_scales", "q computed with float32 scales, returned with bfloat16 scales", "The scales "
+        "you return must be the ones q was computed with: bfloat16 keeps 8 bits of a scale, so q * scale "
+        "lands off the weight. Return float32 scales.", lambda w: _int8_slip(w, scale_dtype=torch.bfloat16)),
+), _int8_probes, observe=_int8_outcome)
 
 
 def _int8(fns, weight):
@@ -106,41 +143,25 @@ def _int8(fns, weight):
     if isinstance(scales, torch.Tensor) and scales.dim() == 2 and scales.shape[1] == 1:
         scales = scales[:, 0]  # (out, 1) is one scale per row too
     if isinstance(scales, torch.Tensor) and tuple(scales.shape) == (width,) and width != rows:
-        raise Mismatch(f"scales has shape {tuple(scales.shape)}, one per input column; expected ({rows},)",
-                       INT8_COLUMNS_HINT)
+        raise Mismatch(f"scales has shape {tuple(scales.shape)}, one per input column; expected ({rows},), one "
+                       "per output row", "Over which dimension of (out, in) do you take the largest magnitude?")
     if isinstance(scales, torch.Tensor) and scales.numel() == 1:
-        raise Mismatch("scales holds one number for the whole matrix", INT8_TENSOR_HINT)
+        raise Mismatch(f"scales holds one number for the whole matrix; expected ({rows},), one per output row",
+                       "Over which dimension do you take the largest magnitude, and does each row keep its own?")
     q = expect_tensor("quantize_int8", q, (rows, width), floating=False, what="returned as q")
     scales = expect_tensor("quantize_int8", scales, (rows,), what="returned as scales")
     if q.dtype != torch.int8:
         raise Mismatch(f"q is a {str(q.dtype).removeprefix('torch.')} tensor; expected int8 (1 byte a weight)",
-                       INT8_TYPE_HINT)
+                       "Which dtype does your q have when you return it?")
+    if scales.dtype != torch.float32:
+        raise Mismatch(f"scales is a {str(scales.dtype).removeprefix('torch.')} tensor; expected float32",
+                       **(INT8_BUGS.hint(fns, weight) or {"hint": "Which dtype do your scales have when you return "
+                                                                  "them?"}))
     return q, scales.float()
 
 
-def _int8_diagnosis(weight, q, scales) -> str | None:
-    w = weight.float()
-    amax = w.abs().amax(1)
-    if bool(torch.isnan(scales).any()) or bool((scales == 0).any()):
-        return ZERO_ROW_HINT
-    if torch.allclose(scales, torch.full_like(scales, float(amax.max()) / 127), rtol=1e-4):
-        return INT8_TENSOR_HINT
-    if torch.allclose(scales, amax / 128, rtol=1e-4):
-        return INT8_128_HINT
-    if torch.allclose(scales, w.amax(1) / 127, rtol=1e-4) and not torch.allclose(scales, amax / 127, rtol=1e-4):
-        return INT8_ABS_HINT
-    steps = w / scales[:, None]
-    if torch.equal(q.to(torch.int64), steps.trunc().to(torch.int64)) or torch.equal(
-            q.to(torch.int64), steps.floor().to(torch.int64)):
-        return ROUND_HINT
-    return None
-
-
-def _rows_of_different_sizes(seed: int, rows: int = 6, width: int = 64) -> torch.Tensor:
-    """Rows whose largest weight spans four orders of magnitude, one row dominated by a negative weight."""
-    w = randn(rows, width, seed=seed) * torch.logspace(-2, 1, rows)[:, None]  # (rows, width)
-    w[1, 5] = -4 * float(w[1].abs().max())  # its largest |w| is negative
-    return w
+INT8_HINT = ("For one row of this case, work out by hand its largest magnitude, its scale, and q of its largest "
+             "weight; then print yours.")
 
 
 def _int8_error(fns):
@@ -150,8 +171,8 @@ def _int8_error(fns):
     worst = float(error.max()) if not bool(torch.isnan(error).any()) else math.nan
     if not worst <= 0.5 + 1e-4:
         row = int(error.nan_to_num(math.inf).amax(1).argmax())
-        raise Mismatch(f"q * scales misses a weight by {worst:.3g} of its row's step (row {row}); at most "
-                       "0.5 expected", _int8_diagnosis(w, q, scales) or ROUND_HINT)
+        raise Mismatch(f"q * scales misses a weight by {worst:.3g} of its row's step (row {row}); expected at most "
+                       "0.5", **INT8_BUGS.hint(fns, w))
 
 
 def _int8_grid(fns):
@@ -160,8 +181,8 @@ def _int8_grid(fns):
     top = q.to(torch.int64).abs().amax(1)  # (rows,)
     if not bool((top == 127).all()):
         row = int((top != 127).nonzero()[0])
-        raise Mismatch(f"row {row}'s largest |q| is {int(top[row])}; expected 127 (each row's largest "
-                       f"weight on the end of its grid)", _int8_diagnosis(w, q, scales) or INT8_TENSOR_HINT)
+        raise Mismatch(f"row {row}'s largest |q| is {int(top[row])}; expected 127 (each row's largest weight on "
+                       "the end of its grid)", **INT8_BUGS.hint(fns, w))
 
 
 def _int8_zero_row(fns):
@@ -170,42 +191,93 @@ def _int8_zero_row(fns):
     q, scales = _int8(fns, w)
     if not bool(torch.isfinite(scales).all()) or not float(scales[3]) > 0 or bool((q[3] != 0).any()):
         raise Mismatch(f"an all-zero row got scale {float(scales[3]):.3g} and q values "
-                       f"{sorted(set(q[3].tolist()))[:3]}", ZERO_ROW_HINT)
+                       f"{sorted(set(q[3].tolist()))[:3]}; expected a finite, positive scale and q = 0",
+                       **INT8_BUGS.hint(fns, w))
 
 
 def _int8_real(fns):
-    w = tiny_model().model.layers[0].mlp.down_proj.weight.detach()  # (256, 688) or so: a real layer's shape
+    w = tiny_model().model.layers[0].mlp.down_proj.weight.detach()  # (256, 688): a real layer's shape
     q, scales = _int8(fns, w)
     relative = float((q.float() * scales[:, None] - w).norm() / w.norm())
     if not relative < 0.01:
-        raise Mismatch(f"a layer of the tiny model comes back with a relative error of {relative:.2%}",
-                       _int8_diagnosis(w, q, scales) or ROUND_HINT)
+        raise Mismatch(f"a layer of the tiny model comes back with a relative error of {relative:.2%}; expected "
+                       "under 1%", **INT8_BUGS.hint(fns, w))
 
 
 INT8 = Task("quantize_int8", "2.5", ("quantize_int8",), (
-    Property("returns q (out, in) int8 and scales (out,): one scale per output row", INT8_TYPE_HINT,
+    Property("returns q (out, in) int8 and scales (out,) float32: one scale per output row",
+             "Check what you return: q's shape and dtype, the scales' shape and dtype.",
              lambda fns: _int8(fns, _rows_of_different_sizes(203))),
-    Property("q * scales is within half a step of every weight", ROUND_HINT, _int8_error),
-    Property("each row's largest |weight| lands on +-127: every row uses its whole grid", INT8_TENSOR_HINT,
-             _int8_grid),
-    Property("an all-zero row: q = 0 and a finite, positive scale", ZERO_ROW_HINT, _int8_zero_row),
-    Property("a real layer comes back within 1% (relative error of the matrix)", ROUND_HINT, _int8_real),
+    Property("q * scales is within half a step of every weight", INT8_HINT, _int8_error),
+    Property("each row's largest |weight| lands on +-127: every row uses its whole grid", INT8_HINT, _int8_grid),
+    Property("an all-zero row: q = 0 and a finite, positive scale",
+             "What is a zero row's largest magnitude, and what does your scale become?", _int8_zero_row),
+    Property("a real layer comes back within 1% (relative error of the matrix)", INT8_HINT, _int8_real,
+             central=True),
 ))
 
 
 # --- quantize_int4 ------------------------------------------------------------------------------------------
 
-INT4_AXIS_HINT = ("A group is 32 consecutive weights of one row: reshape (out, in) to (out, in // 32, 32) "
-                  "and reduce over the last axis, giving (out, in // 32) scales and minimums.")
-INT4_ROW_HINT = ("One scale per row is int8's layout; int4 has only 16 levels, so each group of 32 weights "
-                 "of a row gets its own scale and minimum: (out, in // 32) of each.")
-INT4_SIGNED_HINT = ("Store q in 0..15 (uint8), counted up from the group's minimum: w ~ q * scale + min. "
-                    "A signed grid around 0 wastes levels when a group's weights are not centred on 0.")
-INT4_16_HINT = ("16 levels make 15 steps: scale = (max - min) / 15, so that q = 15 lands on the group's "
-                "largest weight.")
-INT4_CONSTANT_HINT = ("A group whose weights are all equal has max = min: dividing by 0 gives NaN. Give it "
-                      "scale 1 (its q is 0 and its minimum is the value).")
-INT4_TYPE_HINT = "Return (q, scales, mins): q (out, in) uint8 in 0..15, scales and mins (out, in // 32)."
+def _int4_slip(weight, axis="row", levels=15, rounding=torch.round, guard=True, signed=False, strided=False,
+               zero_point=False):
+    """Asymmetric int4 per group of 32 of a row (Q4_1), and the usual slips (flags)."""
+    out, width = weight.shape
+    if axis == "column":
+        groups = weight.t().reshape(width, out // GROUP, GROUP)
+    elif strided:  # (out, 32, in // 32): each "group" takes every (in // 32)-th weight
+        groups = weight.reshape(out, GROUP, width // GROUP).transpose(1, 2)
+    else:
+        groups = weight.reshape(out, width // GROUP, GROUP)
+    if signed or zero_point:  # a symmetric grid around 0: scale max |w| / 7
+        scales = groups.abs().amax(-1) / 7
+        q = torch.round(groups / scales[..., None]).clamp(-8, 7) + (8 if zero_point else 0)
+        mins = -8 * scales if zero_point else torch.zeros_like(scales)
+    else:
+        low, high = groups.amin(-1), groups.amax(-1)
+        spread = high - low
+        scales = torch.where(spread > 0, spread / levels, torch.ones_like(low)) if guard else spread / levels
+        q, mins = rounding((groups - low[..., None]) / scales[..., None]).clamp(0, 15), low
+    if axis == "column":
+        return q.reshape(width, out).t().to(torch.uint8), scales.t(), mins.t()
+    if strided:
+        q = q.transpose(1, 2)
+    return q.reshape(out, width).to(torch.int8 if signed else torch.uint8), scales, mins
+
+
+def _int4_outcome(function, weight):
+    q, scales, mins = function(weight.clone())
+    return q.to(torch.int64), scales.float(), mins.float()
+
+
+def _groups_of_different_sizes(seed: int) -> torch.Tensor:
+    """(64, 128) weights whose groups differ in spread and in centre (none centred on 0)."""
+    w = randn(64, 128, seed=seed)
+    scale = torch.logspace(-2, 1, 4).repeat_interleave(GROUP)  # (128,): each group of a row its own spread
+    return w * scale + torch.linspace(-3, 3, 64)[:, None]  # (64, 128)
+
+
+def _int4_probes():
+    constant = _groups_of_different_sizes(450)
+    constant[2, GROUP:2 * GROUP] = 0.25
+    return [(_groups_of_different_sizes(451),), (constant,)]
+
+
+INT4_BUGS = Catalogue("quantize_int4", expected_int4, (
+    Bug("int4.over_16", "a scale of (max - min) / 16", "16 levels make 15 steps: q = 15 must land on the "
+        "group's largest weight.", lambda w: _int4_slip(w, levels=16)),
+    Bug("int4.floor", "q rounded down (or cut by a cast to an integer type)", "Round to the nearest step.",
+        lambda w: _int4_slip(w, rounding=torch.floor)),
+    Bug("int4.constant_group", "a division by a constant group's zero spread", "A group whose weights are all "
+        "equal has max = min: give it scale 1 (its q is 0 and its minimum is the value).",
+        lambda w: _int4_slip(w, guard=False)),
+    Bug("int4.strided", "groups of every (in / 32)-th weight (a reshape to (out, 32, in / 32))", "A group is "
+        "32 consecutive weights of a row: which reshape puts weights 0..31 of a row in group 0?",
+        lambda w: _int4_slip(w, strided=True)),
+    Bug("int4.zero_point", "a symmetric grid (scale max |w| / 7) shifted by a zero point of 8", "Q4_1 is "
+        "asymmetric: each group's grid runs from its own minimum to its maximum in 15 steps. A symmetric grid "
+        "around 0 wastes levels on a group that is not centred on 0.", lambda w: _int4_slip(w, zero_point=True)),
+), _int4_probes, observe=_int4_outcome)
 
 
 def _int4(fns, weight):
@@ -217,40 +289,22 @@ def _int4(fns, weight):
     for name, value in (("scales", scales), ("mins", mins)):
         if isinstance(value, torch.Tensor) and tuple(value.shape) in ((rows // GROUP, width), (width // GROUP,)):
             raise Mismatch(f"{name} has shape {tuple(value.shape)}; expected ({rows}, {width // GROUP})",
-                           INT4_AXIS_HINT)
+                           "Along which axis do your groups of 32 run: a row's inputs, or a column's outputs?")
         if isinstance(value, torch.Tensor) and tuple(value.shape) in ((rows,), (rows, 1)):
-            raise Mismatch(f"{name} has shape {tuple(value.shape)}, one per row; expected "
-                           f"({rows}, {width // GROUP})", INT4_ROW_HINT)
+            raise Mismatch(f"{name} has shape {tuple(value.shape)}, one per row; expected ({rows}, "
+                           f"{width // GROUP}), one per group of 32", "How many groups of 32 does a row of "
+                           f"{width} weights have, and does each get its own scale and minimum?")
     q = expect_tensor("quantize_int4", q, (rows, width), floating=False, what="returned as q")
     scales = expect_tensor("quantize_int4", scales, (rows, width // GROUP), what="returned as scales")
     mins = expect_tensor("quantize_int4", mins, (rows, width // GROUP), what="returned as mins")
-    if int(q.min()) < 0:
-        raise Mismatch(f"q holds {int(q.min())}; 4 bits counted from the minimum hold 0..15", INT4_SIGNED_HINT)
-    if int(q.max()) > 15:
-        raise Mismatch(f"q holds {int(q.max())}; 4 bits hold 0..15", INT4_16_HINT)
+    if int(q.min()) < 0 or int(q.max()) > 15:
+        raise Mismatch(f"q holds values from {int(q.min())} to {int(q.max())}; expected 0..15 (4 bits counted up "
+                       "from the group's minimum)", "What is the smallest q of a group, and the largest?")
     return q, scales.float(), mins.float()
 
 
-def _int4_diagnosis(weight, q, scales, mins) -> str | None:
-    if bool(torch.isnan(scales).any()) or bool((scales == 0).any()):
-        return INT4_CONSTANT_HINT
-    groups = weight.float().reshape(weight.shape[0], -1, GROUP)
-    spread = groups.amax(-1) - groups.amin(-1)
-    if torch.allclose(scales, spread / 16, rtol=1e-4):
-        return INT4_16_HINT
-    steps = (groups - mins[..., None]) / scales[..., None]
-    qq = q.to(torch.int64).reshape(groups.shape)
-    if torch.equal(qq, steps.floor().clamp(0, 15).to(torch.int64)) or torch.equal(
-            qq, steps.trunc().clamp(0, 15).to(torch.int64)):
-        return ROUND_HINT
-    return None
-
-
-def _groups_of_different_sizes(seed: int) -> torch.Tensor:
-    """(64, 128) weights whose groups differ in spread and in centre (none centred on 0)."""
-    w = randn(64, 128, seed=seed)
-    scale = torch.logspace(-2, 1, 4).repeat_interleave(GROUP)  # (128,): each group of a row its own spread
-    return w * scale + torch.linspace(-3, 3, 64)[:, None]  # (64, 128)
+INT4_HINT = ("For one group of this case, work out by hand its minimum, its maximum, its scale and the q of "
+             "its largest weight; then print yours.")
 
 
 def _int4_error(fns):
@@ -260,8 +314,8 @@ def _int4_error(fns):
     per_step = error.reshape(w.shape[0], -1, GROUP) / scales[..., None]
     worst = float(per_step.max()) if not bool(torch.isnan(per_step).any()) else math.nan
     if not worst <= 0.5 + 1e-4:
-        raise Mismatch(f"q * scale + min misses a weight by {worst:.3g} of its group's step; at most 0.5 "
-                       "expected", _int4_diagnosis(w, q, scales, mins) or ROUND_HINT)
+        raise Mismatch(f"q * scale + min misses a weight by {worst:.3g} of its group's step; expected at most "
+                       "0.5", **INT4_BUGS.hint(fns, w))
 
 
 def _int4_ends(fns):
@@ -270,8 +324,7 @@ def _int4_ends(fns):
     groups = q.to(torch.int64).reshape(w.shape[0], -1, GROUP)
     if not (bool((groups.amin(-1) == 0).all()) and bool((groups.amax(-1) == 15).all())):
         raise Mismatch(f"the groups' q run from {int(groups.amin(-1).max())} to {int(groups.amax(-1).min())} "
-                       "at worst; each group should use 0..15", _int4_diagnosis(w, q, scales, mins)
-                       or INT4_16_HINT)
+                       "at worst; expected each group to use 0..15", **INT4_BUGS.hint(fns, w))
 
 
 def _int4_constant(fns):
@@ -281,8 +334,8 @@ def _int4_constant(fns):
     back = dequantize_groups(q, scales, mins)[2, GROUP:2 * GROUP]
     if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()) or not torch.allclose(
             back, torch.full_like(back, 0.25)):
-        raise Mismatch(f"a group of 32 weights all equal to 0.25 comes back as {float(back[0]):.3g}",
-                       INT4_CONSTANT_HINT)
+        raise Mismatch(f"a group of 32 weights all equal to 0.25 comes back as {float(back[0]):.3g}; expected "
+                       "0.25 with a positive scale", **INT4_BUGS.hint(fns, w))
 
 
 def _int4_real(fns):
@@ -290,88 +343,82 @@ def _int4_real(fns):
     q, scales, mins = _int4(fns, w)
     relative = float((dequantize_groups(q, scales, mins) - w).norm() / w.norm())
     if not relative < 0.1:
-        raise Mismatch(f"a layer of the tiny model comes back with a relative error of {relative:.1%}",
-                       _int4_diagnosis(w, q, scales, mins) or ROUND_HINT)
+        raise Mismatch(f"a layer of the tiny model comes back with a relative error of {relative:.1%}; expected "
+                       "under 10%", **INT4_BUGS.hint(fns, w))
 
 
 INT4 = Task("quantize_int4", "2.5", ("quantize_int4",), (
-    Property("returns q (out, in) in 0..15, scales and mins (out, in // 32)", INT4_TYPE_HINT,
+    Property("returns q (out, in) in 0..15, scales and mins (out, in // 32)",
+             "Check what you return: q's shape and values, the shapes of scales and mins.",
              lambda fns: _int4(fns, _groups_of_different_sizes(213))),
-    Property("q * scale + min is within half a step of every weight", ROUND_HINT, _int4_error),
-    Property("each group's smallest weight has q = 0 and its largest q = 15", INT4_16_HINT, _int4_ends),
+    Property("q * scale + min is within half a step of every weight", INT4_HINT, _int4_error),
+    Property("each group's smallest weight has q = 0 and its largest q = 15", INT4_HINT, _int4_ends),
     Property("a group whose weights are all equal comes back exactly, with a positive scale",
-             INT4_CONSTANT_HINT, _int4_constant),
-    Property("a real layer comes back within 10% (relative error of the matrix)", ROUND_HINT, _int4_real),
+             "What is the spread of a constant group, and what does your scale become?", _int4_constant),
+    Property("a real layer comes back within 10% (relative error of the matrix)", INT4_HINT, _int4_real,
+             central=True),
 ))
 
 
 # --- bytes_per_step -----------------------------------------------------------------------------------------
-
-EMBED_HINT = ("An embedding table is looked up, one row per token: a decode step does not read it unless "
-              "the head shares it (tied). Leave model.model.embed_tokens.weight out when lm_head does not "
-              "hold that same tensor.")
-TIED_TWICE_HINT = ("A tied head is the embedding table itself (the same tensor, the same data_ptr()): "
-                   "count each tensor once.")
-TIED_NONE_HINT = ("When the head is tied, lm_head reads the whole embedding table every step: count it "
-                  "(once).")
-ELEMENT_HINT = "Bytes, not elements: multiply each tensor's numel() by its element_size()."
-BUFFER_HINT = ("Quantized weights are buffers, not parameters (model.parameters() misses them): count every "
-               "tensor the model's state_dict() holds.")
-ROTARY_HINT = ("The rotary tables are computed at start-up, not weights (a state_dict leaves them out): count "
-               "the state_dict's tensors, not every buffer.")
-KV_HINT = ("A decode step also reads the KV cache of its context: add 2 (K and V) x layers x KV heads x "
-           "head_dim x context_len x bytes per element.")
-KV_TWO_HINT = "The cache holds K and V: two tensors per layer, so the factor 2."
-KV_HEADS_HINT = ("Only the KV heads are cached (config.n_kv_heads), not the query heads (config.n_heads): "
-                 "grouped-query attention shares them.")
-KV_DTYPE_HINT = ("The cache is kept in the model's compute dtype (model.dtype): 2 bytes an element for "
-                 "bfloat16, not always 4.")
-UNIT_HINT = "Return bytes (an int), not MB or MiB: the prediction divides a bandwidth in bytes by it."
-
 
 def expected_bytes(model, context_len: int) -> int:
     """What a decode step of one sequence reads: minillm's count of the weights and the KV cache."""
     return streamed_bytes(model) + kv_cache_bytes(model.config, context_len, 1, model.dtype)
 
 
-def _tensors(model, parameters_only=False, all_buffers=False):
-    tensors = list(model.parameters()) if parameters_only else list(model.state_dict().values())
-    if all_buffers:
-        tensors += [b for b in model.buffers()]
-    return tensors
-
-
-def _count(tensors, skip=(), once=True, bytes_=True) -> int:
+def _counted(model, context_len, table="skip untied", once=True, element=True, tensors="state_dict", kv=True,
+             kv_two=True, kv_heads="kv", kv_bytes=None, unit=1):
+    """A count of the bytes of a step, and the usual slips (flags)."""
+    embed = model.model.embed_tokens.weight
+    tied = any(t.data_ptr() == embed.data_ptr() for t in model.lm_head.state_dict().values())
+    listed = list(model.parameters()) if tensors == "parameters" else list(model.state_dict().values())
     seen, total = set(), 0
-    for t in tensors:
-        if t.data_ptr() in skip or (once and t.data_ptr() in seen):
+    for t in listed:
+        is_table = t.data_ptr() == embed.data_ptr()
+        if (once and t.data_ptr() in seen) or (is_table and (table == "never" or table == "skip untied"
+                                                             and not tied)):
             continue
         seen.add(t.data_ptr())
-        total += t.numel() * (t.element_size() if bytes_ else 1)
-    return total
+        total += t.numel() * (t.element_size() if element else 1)
+    c = model.config
+    heads = c.n_kv_heads if kv_heads == "kv" else c.n_heads
+    per = model.dtype.itemsize if kv_bytes is None else kv_bytes
+    total += ((2 if kv_two else 1) * c.n_layers * heads * c.head_dim * context_len * per) if kv else 0
+    return total if unit == 1 else total / unit
 
 
-def _bytes_bugs(model, context_len: int) -> list[tuple[str, float]]:
-    """(hint, what that bug returns) for the usual wrong counts of ``model`` at ``context_len``."""
-    c, embed = model.config, model.model.embed_tokens.weight
-    tied = any(t.data_ptr() == embed.data_ptr() for t in model.lm_head.state_dict().values())
-    skip = () if tied else (embed.data_ptr(),)
-    kv = kv_cache_bytes(c, context_len, 1, model.dtype)
-    weights = streamed_bytes(model)
-    return [
-        (EMBED_HINT, weights + embed.numel() * embed.element_size() + kv) if not tied else (EMBED_HINT, -1),
-        (TIED_TWICE_HINT, weights + embed.numel() * embed.element_size() + kv) if tied else (TIED_TWICE_HINT, -1),
-        (TIED_NONE_HINT, weights - embed.numel() * embed.element_size() + kv) if tied else (TIED_NONE_HINT, -1),
-        (ELEMENT_HINT, _count(_tensors(model), skip, bytes_=False) + kv // model.dtype.itemsize),
-        (ELEMENT_HINT, _count(_tensors(model), skip, bytes_=False) + kv),
-        (BUFFER_HINT, _count(_tensors(model, parameters_only=True), skip) + kv),
-        (ROTARY_HINT, _count(_tensors(model, all_buffers=True), skip) + kv),
-        (KV_HINT, weights),
-        (KV_TWO_HINT, weights + kv // 2),
-        (KV_HEADS_HINT, weights + kv // c.n_kv_heads * c.n_heads),
-        (KV_DTYPE_HINT, weights + kv_cache_bytes(c, context_len, 1, torch.float32)),
-        (UNIT_HINT, (weights + kv) / 1e6), (UNIT_HINT, (weights + kv) / 2**20),
-    ]
+def _count(**slip):
+    return lambda model, context_len: _counted(model, context_len, **slip)
+
+
+def _bytes_probes():
+    return [(tiny_model(), 40), (_tied_model(), 40), (_int8_model(), 100), (_bf16_model(), 900)]
+
+
+BYTES_BUGS = Catalogue("bytes_per_step", expected_bytes, (
+    Bug("bytes.untied_table", "a count with the untied embedding table", "An embedding table is looked up, "
+        "one row per token: a step reads it only when the head shares it (tied).", _count(table="always")),
+    Bug("bytes.tied_twice", "a tied table counted twice", "A tied head is the embedding table itself (the "
+        "same storage, the same data_ptr()): count each tensor once.", _count(once=False)),
+    Bug("bytes.no_table", "a count that never includes the embedding table", "When the head is tied, it "
+        "reads the whole table every step: count it, once.", _count(table="never")),
+    Bug("bytes.elements", "a count of elements", "Bytes, not elements: each tensor's elements times its "
+        "element size.", _count(element=False, kv_bytes=1)),
+    Bug("bytes.parameters", "a count of the parameters only", "Quantized weights are buffers, not "
+        "parameters: the state_dict holds every stored tensor.", _count(tensors="parameters")),
+    Bug("bytes.no_kv", "a count without the KV cache", "A decode step also reads the KV cache of its context.",
+        _count(kv=False)),
+    Bug("bytes.kv_no_two", "a KV cache without the factor 2", "The cache holds K and V.", _count(kv_two=False)),
+    Bug("bytes.kv_query_heads", "a KV cache of the query heads", "Only the KV heads are cached "
+        "(config.n_kv_heads): grouped-query attention shares them.", _count(kv_heads="q")),
+    Bug("bytes.kv_float32", "a KV cache always in float32", "The cache is kept in the model's compute dtype "
+        "(model.dtype).", _count(kv_bytes=4)),
+    Bug("bytes.megabytes", "a count in MB", "Return bytes: the prediction divides a bandwidth in bytes by it.",
+        _count(unit=10**6)),
+    Bug("bytes.mebibytes", "a count in MiB", "Return bytes: the prediction divides a bandwidth in bytes by it.",
+        _count(unit=2**20)),
+), _bytes_probes)
 
 
 def _bytes(fns, model, context_len: int):
@@ -384,9 +431,8 @@ def _bytes_case(make, context_len: int, what: str):
         got, expected = _bytes(fns, model, context_len), expected_bytes(model, context_len)
         got = expect_number("bytes_per_step", got)
         if got != expected:
-            hint = next((h for h, wrong in _bytes_bugs(model, context_len)
-                         if wrong != expected and math.isclose(got, wrong, rel_tol=1e-9)), None)
-            raise Mismatch(f"{what}, context {context_len}: got {got:,.6g}", hint)
+            raise Mismatch(f"{what}, context {context_len}: got {got:,.6g}; expected {expected:,}",
+                           **BYTES_BUGS.hint(fns, model, context_len))
     return run
 
 
@@ -394,58 +440,70 @@ def _bytes_type(fns):
     value = _bytes(fns, tiny_model(), 8)
     if isinstance(value, bool) or not isinstance(value, int):
         raise Mismatch(f"bytes_per_step returned {value!r}; expected an int (a number of bytes)",
-                       UNIT_HINT if isinstance(value, float) else None)
+                       **BYTES_BUGS.hint(fns, tiny_model(), 8))
 
 
+@wire.shared("lab2_5.tied_model")
 @functools.lru_cache(maxsize=1)
 def _tied_model():
     return build_model(ModelConfig(tie_embeddings=True, n_kv_heads=2))
 
 
+@wire.shared("lab2_5.int8_model")
 @functools.lru_cache(maxsize=1)
 def _int8_model():
     return make_variant(tiny_model(), "int8")  # Int8Linear buffers; bfloat16 activations and KV
 
 
+@wire.shared("lab2_5.bf16_model")
 @functools.lru_cache(maxsize=1)
 def _bf16_model():
     return make_variant(tiny_model(), "bfloat16-linear")
 
 
+BYTES_HINT = ("List the tensors your count includes for this model, with the bytes of each, and compare them "
+              "with what one decode step reads: each weight once, and the KV cache of the context.")
 BYTES = Task("bytes_per_step", "2.5", ("bytes_per_step",), (
-    Property("returns an int (a number of bytes)", UNIT_HINT, _bytes_type),
+    Property("returns an int (a number of bytes)", "Does a division or a unit creep into your count?",
+             _bytes_type),
     Property("an untied float32 model: every matrix and norm, not the embedding table, plus the KV cache",
-             EMBED_HINT, _bytes_case(tiny_model, 40, "the tiny model (float32, untied)")),
-    Property("a tied head reads the embedding table: counted once", TIED_TWICE_HINT,
+             BYTES_HINT, _bytes_case(tiny_model, 40, "the tiny model (float32, untied)"), central=True),
+    Property("a tied head reads the embedding table: counted once", BYTES_HINT,
              _bytes_case(_tied_model, 40, "a tiny model whose head is its embedding table")),
-    Property("an int8 model: its weights are buffers (q and scales), its KV cache bfloat16", BUFFER_HINT,
+    Property("an int8 model: its weights are buffers (q and scales), its KV cache bfloat16", BYTES_HINT,
              _bytes_case(_int8_model, 100, "the tiny model with int8 weights")),
-    Property("a bfloat16 model at a long context: 2 bytes a weight and a cached element", KV_DTYPE_HINT,
+    Property("a bfloat16 model at a long context: 2 bytes a weight and a cached element", BYTES_HINT,
              _bytes_case(_bf16_model, 900, "the tiny model in bfloat16")),
 ))
 
 
 # --- predict_tokens_per_s -----------------------------------------------------------------------------------
 
-GIB_HINT = "A GB is 10**9 bytes (a GiB is 2**30): bandwidth_gb_s * 1e9 bytes arrive each second."
-INVERTED_HINT = ("That is seconds per token (bytes / bandwidth); the rate is its inverse: bandwidth in "
-                 "bytes per second / bytes per step.")
-GB_HINT = "bandwidth_gb_s is in GB/s: multiply it by 1e9 to get bytes per second before dividing."
-PREDICT_HINT = "tokens/s <= bandwidth (bytes/s) / bytes per step: each step must read all its bytes."
+PREDICT_BUGS = Catalogue("predict_tokens_per_s", lambda b, gb: gb * 1e9 / b, (
+    Bug("predict.gib", "a GB taken as 2**30 bytes", "A GB is 10**9 bytes (a GiB is 2**30).",
+        lambda b, gb: gb * 2**30 / b),
+    Bug("predict.inverted", "seconds per token (bytes / bandwidth)", "The rate is the inverse: bytes per "
+        "second divided by the bytes of a step.", lambda b, gb: b / (gb * 1e9)),
+    Bug("predict.no_giga", "a bandwidth left in GB/s", "Turn GB/s into bytes per second before dividing.",
+        lambda b, gb: gb / b),
+    Bug("predict.inverted_no_giga", "bytes divided by GB/s", "The rate is bytes per second (GB/s x 10**9) "
+        "divided by the bytes of a step.", lambda b, gb: b / gb),
+), lambda: [(250_000_000, 20.0), (400_000_000, 10.0), (1_000_000, 1.5)])
 
 
 def _predict(fns, step_bytes, gb_s):
     return expect_number("predict_tokens_per_s", call(fns["predict_tokens_per_s"], step_bytes, gb_s))
 
 
+PREDICT_HINT = "How many bytes arrive in a second at this bandwidth, and how many does one step need?"
+
+
 def _predict_value(fns):
     step_bytes, gb_s = 250_000_000, 20.0
     got, expected = _predict(fns, step_bytes, gb_s), gb_s * 1e9 / step_bytes
     if not math.isclose(got, expected, rel_tol=1e-9):
-        bugs = ((GIB_HINT, gb_s * 2**30 / step_bytes), (INVERTED_HINT, step_bytes / (gb_s * 1e9)),
-                (GB_HINT, gb_s / step_bytes), (INVERTED_HINT, step_bytes / gb_s))
-        hint = next((h for h, wrong in bugs if math.isclose(got, wrong, rel_tol=1e-6)), None)
-        raise Mismatch(f"250 MB a step at 20 GB/s: got {got:.6g} tokens/s", hint)
+        raise Mismatch(f"250 MB a step at 20 GB/s: got {got:.6g} tokens/s; expected {expected:g}",
+                       **PREDICT_BUGS.hint(fns, step_bytes, gb_s))
 
 
 def _predict_scaling(fns):
@@ -453,12 +511,13 @@ def _predict_scaling(fns):
     for step_bytes, gb_s, factor in ((200_000_000, 10.0, 2), (400_000_000, 30.0, 3)):
         got = _predict(fns, step_bytes, gb_s)
         if not math.isclose(got, base * factor, rel_tol=1e-9):
-            raise Mismatch(f"400 MB at 10 GB/s gave {base:.4g} tokens/s, {step_bytes / 1e6:.0f} MB at "
-                           f"{gb_s:g} GB/s gave {got:.4g}", INVERTED_HINT if got < base else None)
+            raise Mismatch(f"400 MB at 10 GB/s gave {base:.4g} tokens/s, {step_bytes / 1e6:.0f} MB at {gb_s:g} GB/s "
+                           f"gave {got:.4g}; expected {base * factor:.4g}",
+                           **PREDICT_BUGS.hint(fns, step_bytes, gb_s))
 
 
 PREDICT = Task("predict_tokens_per_s", "2.5", ("predict_tokens_per_s",), (
-    Property("250 MB a step at 20 GB/s allows 80 steps a second", PREDICT_HINT, _predict_value),
+    Property("250 MB a step at 20 GB/s allows 80 steps a second", PREDICT_HINT, _predict_value, central=True),
     Property("halving the bytes doubles the bound; tripling the bandwidth triples it", PREDICT_HINT,
              _predict_scaling),
 ))
@@ -466,13 +525,35 @@ PREDICT = Task("predict_tokens_per_s", "2.5", ("predict_tokens_per_s",), (
 
 # --- decode_tokens_per_s ------------------------------------------------------------------------------------
 
-WHOLE_RUN_HINT = ("That is the whole run's rate, the prefill included: the first token waited for the "
-                  "prompt. Measure the steady window: the gaps between consecutive tokens.")
-GAPS_HINT = "n tokens have n - 1 gaps: divide by the gaps, or take 1 / the median gap."
-MEAN_HINT = ("One pause (another program, a page fault) drags a mean; the median gap is what a step "
-             "takes: 1 / statistics.median(gaps).")
-SECONDS_HINT = "That is seconds per token; tokens per second is its inverse."
-RATE_HINT = "Take the gaps between consecutive token times and return 1 / their median."
+def _rate_reference(start, times):
+    if len(times) < 2:
+        raise ValueError("fewer than two tokens")
+    return 1 / statistics.median(b - a for a, b in zip(times, times[1:]))
+
+
+STEADY = [2.0 + 0.0625 * i for i in range(9)]  # a 2 s prefill, then a token every 62.5 ms
+PAUSED = [0.5 + 0.125 * i for i in range(6)] + [0.5 + 0.125 * 5 + 1.0 + 0.125 * i for i in range(1, 5)]
+
+
+def _gaps(times):
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+RATE_BUGS = Catalogue("decode_tokens_per_s", _rate_reference, (
+    Bug("rate.whole_run", "the whole run's rate, the prefill included", "The first token waited for the "
+        "prompt: the steady decode rate comes from the gaps between tokens.",
+        lambda s, t: len(t) / (t[-1] - s)),
+    Bug("rate.whole_run_gaps", "n - 1 tokens over the whole run", "The first token waited for the prompt: "
+        "the steady decode rate comes from the gaps between tokens.", lambda s, t: (len(t) - 1) / (t[-1] - s)),
+    Bug("rate.n_over_span", "n tokens over n - 1 gaps", "n tokens have n - 1 gaps.",
+        lambda s, t: len(t) / (t[-1] - t[0])),
+    Bug("rate.mean", "the rate of the mean gap", "One pause (another program, a page fault) drags a mean; "
+        "the median gap is what a step takes.", lambda s, t: 1 / statistics.fmean(_gaps(t))),
+    Bug("rate.seconds", "the median gap itself (seconds per token)", "Tokens per second is the inverse of "
+        "seconds per token.", lambda s, t: statistics.median(_gaps(t))),
+    Bug("rate.milliseconds", "the median gap in milliseconds", "Tokens per second is the inverse of seconds "
+        "per token.", lambda s, t: 1e3 * statistics.median(_gaps(t))),
+), lambda: [(0.0, list(STEADY)), (0.0, list(PAUSED)), (1.0, [1.5, 1.75, 2.0, 2.5, 2.625])])
 
 
 def _rate(fns, start, times):
@@ -481,25 +562,11 @@ def _rate(fns, start, times):
 
 def _rate_case(start, times, what):
     def run(fns):
-        got = _rate(fns, start, times)
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        expected = 1 / statistics.median(gaps)
-        if math.isclose(got, expected, rel_tol=1e-6):
-            return
-        bugs = ((WHOLE_RUN_HINT, len(times) / (times[-1] - start)),
-                (WHOLE_RUN_HINT, (len(times) - 1) / (times[-1] - start)),
-                (GAPS_HINT, len(times) / (times[-1] - times[0])),
-                (MEAN_HINT, 1 / statistics.fmean(gaps)), (MEAN_HINT, (len(times) - 1) / (times[-1] - times[0])),
-                (SECONDS_HINT, statistics.median(gaps)), (SECONDS_HINT, statistics.fmean(gaps)),
-                (SECONDS_HINT, 1e3 * statistics.median(gaps)))
-        hint = next((h for h, wrong in bugs if not math.isclose(wrong, expected, rel_tol=1e-6)
-                     and math.isclose(got, wrong, rel_tol=1e-6)), None)
-        raise Mismatch(f"{what}: got {got:.6g} tokens/s", hint)
+        got, expected = _rate(fns, start, times), _rate_reference(start, times)
+        if not math.isclose(got, expected, rel_tol=1e-6):
+            raise Mismatch(f"{what}: got {got:.6g} tokens/s; expected {expected:.6g}",
+                           **RATE_BUGS.hint(fns, start, list(times)))
     return run
-
-
-STEADY = [2.0 + 0.0625 * i for i in range(9)]  # a 2 s prefill, then a token every 62.5 ms
-PAUSED = [0.5 + 0.125 * i for i in range(6)] + [0.5 + 0.125 * 5 + 1.0 + 0.125 * i for i in range(1, 5)]
 
 
 def _rate_short(fns):
@@ -509,16 +576,19 @@ def _rate_short(fns):
         if isinstance(exc.__cause__, ValueError):
             return
         raise
-    raise Mismatch(f"one token (no gap between tokens) gave {value!r} instead of raising ValueError",
-                   "One token has no gap, so no decode rate: raise ValueError with a message.")
+    raise Mismatch(f"one token (no gap between tokens) gave {value!r}; expected it to raise ValueError",
+                   "How many gaps does one token have, and what does your function do then?")
 
 
+RATE_HINT = ("Which times does your rate come from: the start, the first token, or the gaps between tokens? "
+             "Work this case out by hand.")
 DECODE = Task("decode_tokens_per_s", "2.5", ("decode_tokens_per_s",), (
     Property("a steady run after a long prefill: 1 / the gap between tokens", RATE_HINT,
-             _rate_case(0.0, STEADY, "a 2 s prefill, then a token every 62.5 ms")),
-    Property("one pause in the run does not change it (the median gap)", MEAN_HINT,
+             _rate_case(0.0, STEADY, "a 2 s prefill, then a token every 62.5 ms"), central=True),
+    Property("one pause in the run does not change it (the median gap)", RATE_HINT,
              _rate_case(0.0, PAUSED, "a token every 125 ms with one 1.125 s gap")),
-    Property("raises ValueError with fewer than two tokens", RATE_HINT, _rate_short),
+    Property("raises ValueError with fewer than two tokens",
+             "What does your function do with one token?", _rate_short),
 ))
 
 
@@ -532,6 +602,12 @@ LOW, HIGH = 1 / 12, 1.5  # the measured rate must fall within these multiples of
 def smollm2():
     """SmolLM2-135M-Instruct in float32 on the CPU, and its tokenizer (loaded once per process)."""
     return load_pretrained("smollm2-135m-instruct", device="cpu")
+
+
+@wire.shared("lab2_5.smollm2")
+def smollm2_model():
+    """The model of ``smollm2()`` (it travels to the notebook's process by name)."""
+    return smollm2()[0]
 
 
 def token_times(model, prompt_ids: list[int], n: int, clock=cpu_clock) -> tuple[float, list[float]]:
@@ -552,10 +628,10 @@ def measured_bandwidth() -> float:
         torch.set_num_threads(threads)
 
 
-FAR_BELOW_HINT = ("The measured rate is far below your bound: check the units on the way (bytes, not MB; "
-                  "GB/s times 1e9; tokens per second, not seconds per token).")
-ABOVE_HINT = ("The measured rate beats your bound: the bound counts too many bytes, or too much bandwidth "
-              "(GB/s times 1e9, not 2**30; bytes, not elements).")
+FAR_BELOW_HINT = ("The measured rate is far below your bound. Follow the units from bytes_per_step to the "
+                  "rate: bytes, bytes per second, steps per second.")
+ABOVE_HINT = ("The measured rate beats your bound, which no machine can do: which of your counts could be too "
+              "small (bytes), or too large (bandwidth)?")
 
 
 def _written(fns) -> None:
@@ -567,20 +643,18 @@ def _written(fns) -> None:
 
 def _bytes_of_smollm2(fns):
     _written(fns)
-    model, tokenizer = smollm2()
+    model, tokenizer = smollm2_model(), smollm2()[1]
     context = len(tokenizer.encode_chat(PROMPT)) + 8
     got = expect_number("bytes_per_step", call(fns["bytes_per_step"], model, context))
     expected = expected_bytes(model, context)
     if got != expected:
-        hint = next((h for h, wrong in _bytes_bugs(model, context)
-                     if wrong != expected and math.isclose(got, wrong, rel_tol=1e-9)), None)
         raise Mismatch(f"SmolLM2 in float32 (its head tied to the embedding table), context {context}: got "
-                       f"{got:,.6g} bytes", hint)
+                       f"{got:,.6g} bytes; expected {expected:,}", **BYTES_BUGS.hint(fns, model, context))
 
 
 def _prediction_on_smollm2(fns):
     _written(fns)
-    model, tokenizer = smollm2()
+    model, tokenizer = smollm2_model(), smollm2()[1]
     ids = tokenizer.encode_chat(PROMPT)
     n = 17
     step_bytes = expect_number("bytes_per_step", call(fns["bytes_per_step"], model, len(ids) + n // 2))
@@ -599,10 +673,10 @@ def _prediction_on_smollm2(fns):
 
 MEASURED = Task("your prediction against a measurement", "2.5",
                 ("bytes_per_step", "predict_tokens_per_s", "decode_tokens_per_s"), (
-                    Property("SmolLM2's bytes a step, counted from its real tensors", EMBED_HINT,
-                             _bytes_of_smollm2, seconds=300),
+                    Property("SmolLM2's bytes a step, counted from its real tensors", BYTES_HINT,
+                             _bytes_of_smollm2, seconds=300, central=True),
                     Property(f"SmolLM2 in float32 on this CPU runs at x{LOW:.2g} to x{HIGH:g} of your bound",
-                             PREDICT_HINT, _prediction_on_smollm2, seconds=300),
+                             PREDICT_HINT, _prediction_on_smollm2, seconds=300, central=True),
                 ))
 
 register(INT8, INT4, BYTES, PREDICT, DECODE, MEASURED)

@@ -42,9 +42,10 @@ class Records:
             total, chosen, times = len(self.rows), [], 0
             for i in range(total - 1 - offset, -1, -1):
                 row = self.rows[i]
-                if len(chosen) == limit or (chosen and times + len(row.token_times) > PAGE_TOKEN_TIMES):
+                cost = len(row.token_times) if token_times else 0
+                if len(chosen) == limit or (chosen and times + cost > PAGE_TOKEN_TIMES):
                     break
-                times += len(row.token_times)
+                times += cost
                 chosen.append(row)
         end = offset + len(chosen)
         return json.dumps({"requests": [row.to_json(token_times) for row in reversed(chosen)], "total": total,

@@ -341,3 +341,15 @@ def test_front_pages_read_the_same_on_github(name):
     lines = (BOOK / name).read_text(encoding="utf-8").splitlines()
     found = [line for line in lines if any(p.search(line) for p in MYST_IN_PAGES)]
     assert not found, f"{name}: MyST-only markup GitHub shows raw: {found[:3]}"
+
+
+WEB_ONLY_FOLDS = {"hide-output", "hide-cell"}  # the web book folds these; Colab and Jupyter show them open
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_folded_content_folds_in_every_renderer(path):
+    """What a page folds away (exercise solutions, their numbers) folds on Colab and in Jupyter too: in an HTML
+    <details> block, never by a tag only the web build reads."""
+    web_only = [index for index, cell in enumerate(_cells(path))
+                if WEB_ONLY_FOLDS & set(cell["metadata"].get("tags", []))]
+    assert not web_only, f"{path.name}: cells {web_only} fold only on the web; use <details>"

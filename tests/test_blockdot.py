@@ -197,3 +197,26 @@ def test_the_avx2_build_that_a_laptop_gets_gives_the_same_numbers(tmp_path):
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(2))
     here = BlockLinear.from_q4_1(*split)(x)
     torch.testing.assert_close(torch.load(path), here, rtol=1e-5, atol=1e-5 * float(here.abs().max()))
+
+
+FALLBACK_CHECK = """
+import torch
+from minillm.fast.blockdot import blockdot_problem
+from minillm.fast.int4 import model_kernel
+print(blockdot_problem())
+print(model_kernel(torch.device("cpu")))
+"""
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"PATH": "/nonexistent", "CXX": ""}, "no C++ compiler (c++, g++ or $CXX) is on the PATH"),
+    ({"CXX": "false"}, "building the block kernel failed"),  # a compiler that fails: a fresh build dir
+])
+def test_without_a_working_compiler_the_model_falls_back_and_says_why(tmp_path, env, words):
+    """The kernel compiles on first use; where it cannot, int4 runs through PyTorch's kernel ("auto")."""
+    full = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), **env}
+    result = subprocess.run([sys.executable, "-c", FALLBACK_CHECK], env=full, cwd=os.getcwd(), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    problem, kernel = result.stdout.strip().splitlines()
+    assert words in problem and kernel == "auto"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import torch
@@ -71,7 +72,7 @@ def _build() -> tuple[str | None, str | None]:
     try:  # OpenMP: ATen's parallel_for splits the groups of rows across threads only in code built with it
         path = load(name=f"minillm_blockdot_{isa}", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp",
                     *FLAGS[isa]], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    except (RuntimeError, OSError) as error:  # a failed build: say so, fall back
+    except (RuntimeError, OSError, subprocess.SubprocessError) as error:  # a failed build: say so, fall back
         return None, f"building the block kernel failed: {str(error).splitlines()[0]}"
     _register_fakes()
     return str(path), None

@@ -23,7 +23,7 @@ from minillm.book.labs import TASKS, function_names, grade, lab2_1, lab2_4
 from minillm.book.labs.diagnosis import Catalogue, separates
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LABS = ("2.1", "2.2", "2.3", "2.4", "2.5")
+LABS = ("2.1", "2.2", "2.3", "2.4", "2.5", "2.6")
 ALONE = {"2.5"}  # labs whose wrong functions are graded alone: their joint task times SmolLM2
 
 
@@ -319,6 +319,30 @@ def _rate(start, times, how="median"):
     return statistics.median(gaps)  # "seconds"
 
 
+def greedy_without_the_bonus(draft_tokens, target_logits):
+    best = target_logits.argmax(-1).tolist()
+    for i, guess in enumerate(draft_tokens):
+        if guess != best[i]:
+            return list(draft_tokens[:i]) + [best[i]]
+    return list(draft_tokens)  # every guess kept: the round forgets the target's last row
+
+
+def greedy_one_row_late(draft_tokens, target_logits):
+    best = target_logits.argmax(-1).tolist()
+    kept = 0
+    while kept < len(draft_tokens) and kept + 1 < len(best) and draft_tokens[kept] == best[kept + 1]:
+        kept += 1
+    return list(draft_tokens[:kept]) + [best[min(kept + 1, len(best) - 1)]]
+
+
+def sampled_correction_from_p(draft_tokens, draft_probs, target_probs, generator):
+    for i, token in enumerate(draft_tokens):
+        p, q = target_probs[i], draft_probs[i]
+        if torch.rand((), generator=generator) * q[token] >= p[token]:
+            return list(draft_tokens[:i]) + [int(torch.multinomial(p, 1, generator=generator))]
+    return list(draft_tokens) + [int(torch.multinomial(target_probs[-1], 1, generator=generator))]
+
+
 # (lab, function, the wrong code, the bug its checks name; None: a fact about the output names no bug)
 WRITTEN = {
     "mask tril(ones(T, S))": ("2.1", "causal_attention", attention_tril, "attention.tril"),
@@ -391,6 +415,10 @@ WRITTEN = {
                                  "rate.n_over_span"),
     "seconds per token measured": ("2.5", "decode_tokens_per_s", lambda s, t: _rate(s, t, "seconds"),
                                    "rate.seconds"),
+    "greedy round without the bonus": ("2.6", "accept_greedy", greedy_without_the_bonus, "greedy.no_bonus"),
+    "greedy round judged one row late": ("2.6", "accept_greedy", greedy_one_row_late, None),
+    "sampled correction drawn from p": ("2.6", "accept_sampled", sampled_correction_from_p,
+                                        "sampled.residual_from_p"),
 }
 
 
@@ -655,6 +683,33 @@ def int4_symmetric_zero_point(weight):
     return q.reshape(out, width).to(torch.uint8), scales, -8 * scales
 
 
+def greedy_by_the_guess_logit(draft_tokens, target_logits):
+    """A guess kept while the target gives it a positive logit, not while it is the target's choice."""
+    kept = 0
+    while kept < len(draft_tokens) and target_logits[kept, draft_tokens[kept]] > 0:
+        kept += 1
+    return list(draft_tokens[:kept]) + [int(target_logits[kept].argmax())]
+
+
+def sampled_unclamped_residual(draft_tokens, draft_probs, target_probs, generator):
+    """The correction drawn from p - q with its negative part (torch refuses negative weights)."""
+    for i, token in enumerate(draft_tokens):
+        p, q = target_probs[i], draft_probs[i]
+        if torch.rand((), generator=generator) * q[token] >= p[token]:
+            return list(draft_tokens[:i]) + [int(torch.multinomial(p - q, 1, generator=generator))]
+    return list(draft_tokens) + [int(torch.multinomial(target_probs[-1], 1, generator=generator))]
+
+
+def sampled_reversed_residual(draft_tokens, draft_probs, target_probs, generator):
+    """The correction drawn from max(0, q - p): where the draft gave too much."""
+    for i, token in enumerate(draft_tokens):
+        p, q = target_probs[i], draft_probs[i]
+        if torch.rand((), generator=generator) * q[token] >= p[token]:
+            residual = (q - p).clamp(min=0)
+            return list(draft_tokens[:i]) + [int(torch.multinomial(residual, 1, generator=generator))]
+    return list(draft_tokens) + [int(torch.multinomial(target_probs[-1], 1, generator=generator))]
+
+
 OUTSIDE = {  # (lab, function, the wrong code): bugs no catalogue holds
     "rope turns only the first half": ("2.1", "apply_rope", rope_first_half_only),
     "rope angles in degrees": ("2.1", "apply_rope", rope_in_degrees),
@@ -684,6 +739,9 @@ OUTSIDE = {  # (lab, function, the wrong code): bugs no catalogue holds
     "bytes: two bugs at once": ("2.5", "bytes_per_step", bytes_with_table_and_no_kv),
     "decode rate of the slowest gap": ("2.5", "decode_tokens_per_s", rate_of_the_slowest_gap),
     "prediction in bits": ("2.5", "predict_tokens_per_s", predict_in_bits),
+    "greedy by a positive logit": ("2.6", "accept_greedy", greedy_by_the_guess_logit),
+    "sampled correction from p - q unclipped": ("2.6", "accept_sampled", sampled_unclamped_residual),
+    "sampled correction from max(0, q - p)": ("2.6", "accept_sampled", sampled_reversed_residual),
 }
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minillm import ByteTokenizer, build_model
-from minillm.book.labs import TASKS, check, function_names, grade, lab2_1, lab2_2, lab2_3, lab2_4, lab2_5
+from minillm.book.labs import TASKS, check, function_names, grade, lab2_1, lab2_2, lab2_3, lab2_4, lab2_5, lab2_6
 from minillm.book.labs.__main__ import main as labs_cli
 from minillm.book.labs.batching import Spec, simulate
 from minillm.book.labs.cells import defined_names, functions_from_notebook, lab_cells
@@ -43,7 +43,7 @@ APPLY = _load(ROOT / "instructor" / "apply_solutions.py", "apply_solutions")
 
 
 def test_there_is_one_lab_per_notebook():
-    assert {"2.1", "2.2", "2.3", "2.4", "2.5"} <= set(IDS.values())
+    assert {"2.1", "2.2", "2.3", "2.4", "2.5", "2.6"} <= set(IDS.values())
     assert sorted(IDS.values()) == sorted({t.lab for t in TASKS.values()})
 
 
@@ -311,6 +311,16 @@ def test_lab_2_3_payoff_adds_a_chunked_run_once_schedule_tokens_passes(capsys):
     assert chunked.complete and max(chunked.tokens_per_step) == lab2_3.BUDGET and chunked.decode_waits == 0
     assert max(runs["continuous, roomy"].tokens_per_step) > lab2_3.BUDGET  # whole prompts in one step
     assert f"chunked {lab2_3.BUDGET}, roomy" in capsys.readouterr().out
+
+
+def test_lab_2_6_payoffs_speculate_with_the_learners_rules(capsys):
+    six = solutions("2.6")
+    lab2_6.speculate(build_model("tiny"), ByteTokenizer(), six["accept_greedy"], "abcabcabcabcabcab", k=4,
+                     max_new_tokens=12)
+    lab2_6.sampled_rounds(six["accept_sampled"], rounds=1000)
+    out = capsys.readouterr().out
+    assert "12 tokens, the same tokens as plain greedy decoding" in out
+    assert float(re.search(r"chi-square p-value of your rounds against p: ([\d.e-]+)", out).group(1)) > 1e-4
 
 
 def test_lab_2_4_knee_of_a_measured_sweep(capsys):

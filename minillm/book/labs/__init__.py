@@ -7,7 +7,7 @@
 
 ``python -m minillm.book.labs grade book/labs/lab2_1_attention.ipynb`` grades a saved notebook.
 """
-from . import lab2_1, lab2_2, lab2_3, lab2_4, lab2_5  # noqa: F401 - each registers its tasks
+from . import lab2_1, lab2_2, lab2_3, lab2_4, lab2_5, lab2_6  # noqa: F401 - each registers its tasks
 from .checker import TASKS, Report, check, function_names, grade, ready, score
 
 __all__ = ["Report", "TASKS", "check", "function_names", "grade", "ready", "score"]

@@ -5,10 +5,11 @@ unpickled: the grading process reads JSON, bytes of a tensor of a known dtype, n
 the lab classes registered here (``register_class``). Any other value comes back as an ``Opaque`` that
 only describes it ("a numpy.ndarray"), so a check reports it as a value of the wrong kind.
 
-Objects keep their identity across a call: each list, dict, tensor or lab object the grader sends gets an
-id, and when the learner's code returns it, or changes it in place, the reply names that id with its new
-state. The grader then updates its own object in place (a cache tensor written by ``write_kv``, a list
-of sequences that ``admit`` returns), exactly as if the function had run in the grader's process.
+Objects keep their identity across a call: each list, dict, tensor, random generator (its state) or lab
+object the grader sends gets an id, and when the learner's code returns it, or changes it in place, the
+reply names that id with its new state. The grader then updates its own object in place (a cache tensor
+written by ``write_kv``, a list of sequences that ``admit`` returns, a generator that drew numbers), exactly
+as if the function had run in the grader's process.
 Expensive shared objects (a model) travel by name: both processes build them the same way
 (``shared``).
 """
@@ -181,6 +182,11 @@ class Encoder:
             return {"ref": self._memo[id(value)]}
         if isinstance(value, torch.Tensor):
             return self._tensor(value)
+        if isinstance(value, torch.Generator) and value.device.type == "cpu":  # its state travels, both ways
+            out = self._start(value, "generator")
+            self.blobs.append(value.get_state().numpy().tobytes())
+            out["generator"] = len(self.blobs) - 1
+            return out
         if type(value) is list:
             out = self._start(value, "list")
             out["list"] = [self.encode(v) for v in value]
@@ -264,6 +270,10 @@ class Decoder:
         kind = data.get("kind")
         if kind == "tensor":
             return self._register(data, self._tensor(data))
+        if kind == "generator":
+            target = self._target(data, torch.Generator)
+            target.set_state(torch.frombuffer(bytearray(self.blobs[int(data["generator"])]), dtype=torch.uint8))
+            return self._register(data, target)
         if kind == "list":
             target = self._target(data, list)
             self._register(data, target)
@@ -298,7 +308,7 @@ class Decoder:
             if target is None or type(target) is not cls:
                 raise WireError(f"a reply naming object {theirs}, which was not sent as a {cls.__name__}")
             return target
-        return cls.__new__(cls) if cls not in (list, dict) else cls()
+        return cls() if cls in (list, dict, torch.Generator) else cls.__new__(cls)
 
     def _register(self, data: dict, value):
         self.objects[data["id"]] = value

@@ -297,3 +297,24 @@ def test_load_precision_builds_each_named_variant():
         assert isinstance(model.lm_head, head) and tokenizer.eos_token_id == 2
     with pytest.raises(ValueError, match="unknown precision 'fp8'"):
         load_precision("smollm2-135m-instruct", "fp8")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matvec_linear_takes_the_route_the_probe_measured_and_agrees_with_f_linear(dtype, monkeypatch):
+    """Both routes give F.linear's product; which one runs for 1 and for 2-8 rows is the probe's answer, and 9+
+    rows always take F.linear."""
+    from minillm.fast import quant
+
+    weight = nn.Parameter(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).to(dtype))
+    layer = MatVecLinear(weight)
+    pays = {rows: quant.weight_first_pays((64, 32), dtype, rows) for rows in (1, 2)}  # before the spy goes in
+    calls = []
+    monkeypatch.setattr(quant, "weight_first", lambda w, r: calls.append(r.shape[0]) or F.linear(r, w))
+    for rows in (1, 2, 8, 9):
+        x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        torch.testing.assert_close(layer(x), F.linear(x, weight))
+    expected = [1] * pays[1] + [2, 8] * pays[2]
+    assert calls == expected
+    for rows in (1, 3):
+        x = torch.randn(rows, 32).to(dtype)
+        torch.testing.assert_close(quant.weight_first(weight, x), F.linear(x, weight), rtol=0.02, atol=0.02)

@@ -804,6 +804,7 @@ def test_bfloat16_scales_and_strided_groups_are_named_and_cost_half_or_more():
 def test_a_symmetric_int4_scheme_is_named():
     int4 = _report(grade(quantize_int4=_named("quantize_int4", int4_symmetric_zero_point)), "quantize_int4")
     assert {o.bug for o in int4.outcomes if not o.passed} == {"int4.zero_point"}
+    assert int4.capped and int4.points <= int4.max_points // 2  # the grid does not span the group: central
 
 
 def _safe_scale(amax, divisor):

@@ -1,6 +1,8 @@
 """Speculative decoding against plain decode on SmolLM2-135M-Instruct, measured side by side in one run.
 
-Target: the float32 model (``minillm.load_pretrained``); its plain cached decode is the baseline. Drafts: the
+Target: the float32 model (``minillm.load_pretrained``; ``--target float32-matvec``: the same weights with
+``minillm.fast.quant.MatVecLinear`` layers, whose products of a few rows go weight-first where that is faster);
+its plain cached decode is the baseline. Drafts: the
 GGUF file's own int4 weights (``minillm.fast.int4.load_int4``: the block kernel where the CPU has AVX2) and
 prompt lookup (``minillm.speculative.PromptLookup``: no model), each at k = 2, 4 and 8 guesses per round.
 
@@ -16,7 +18,7 @@ The profile then times what decides the speed-up (process CPU time, medians): th
 k + 1 new positions, the draft's step, and predicts the speed-up as tokens per call x t_target(1) /
 (t_target(k + 1) + draft steps per round x t_draft). Target: int4, k = 4, one thread: >= 1.8x.
 
-    python benchmarks/bench_speculative.py [--threads N] [--rounds R] [--new-tokens N]
+    python benchmarks/bench_speculative.py [--threads N] [--rounds R] [--new-tokens N] [--target T]
 """
 from __future__ import annotations
 
@@ -32,9 +34,11 @@ import torch
 from minillm import KVCache, load_pretrained, stream_generate
 from minillm.book.data import SPECULATIVE_PROMPTS as PROMPTS
 from minillm.fast.int4 import kernels_used, load_int4
+from minillm.fast.quant import make_variant
 from minillm.speculative import PromptLookup, SpeculativeStats, speculative_generate
 
 KS = (2, 4, 8)
+TARGETS = ("float32", "float32-matvec")
 TARGET = 1.8  # int4 draft, k = 4, one thread
 TARGET_K = 4
 PROFILE_REPEATS = 15
@@ -45,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument("--new-tokens", type=int, default=128, help="most new tokens per reply (default 128)")
+    parser.add_argument("--target", choices=TARGETS, default="float32",
+                        help="the target's float32 layers: nn.Linear (default) or MatVecLinear")
     args = parser.parse_args()
     for name in ("threads", "rounds", "new_tokens"):
         if getattr(args, name) < 1:
@@ -167,12 +173,14 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     target, tokenizer = load_pretrained("smollm2-135m-instruct")  # float32
+    if args.target != "float32":
+        target = make_variant(target, args.target)
     int4, _ = load_int4("smollm2-135m-instruct")
     drafts = {"int4": int4, "ngram": PromptLookup()}
     prompts = {name: tokenizer.encode_chat(text) for name, text in PROMPTS.items()}
     eos = tokenizer.eos_token_id
     print(f"bench_speculative: torch {torch.__version__}, {cpu_name()} ({torch.backends.cpu.get_cpu_capability()}),"
-          f" threads {args.threads}; target SmolLM2-135M-Instruct float32; int4 draft: {kernels_used(int4)}; "
+          f" threads {args.threads}; target SmolLM2-135M-Instruct {args.target}; int4 draft: {kernels_used(int4)}; "
           f"prompt lookup: n-grams {PromptLookup().max_ngram}..{PromptLookup().min_ngram}")
     print(f"workload: chat prompts {', '.join(f'{n!r} ({len(p)} tokens)' for n, p in prompts.items())}; greedy, "
           f"<= {args.new_tokens} new tokens, stop at <|im_end|>; {args.rounds} timed rounds after a warm-up, "
@@ -183,8 +191,8 @@ def main() -> None:
     explain = prompts["explain"] + run["reference"]["explain"]
     profile(target, int4, explain, {k: run["results"]["explain", ("int4", k)]["stats"] for k in KS})
     verdict = "met" if headline >= TARGET else "NOT met"
-    print(f"\nint4 draft, k={TARGET_K}, {args.threads} thread(s), explain prompt: {headline:.2f}x plain float32 decode "
-          f"(target >= {TARGET}x at one thread: {verdict})")
+    print(f"\nint4 draft, k={TARGET_K}, {args.threads} thread(s), explain prompt: {headline:.2f}x plain "
+          f"{args.target} decode (target >= {TARGET}x at one thread: {verdict})")
 
 
 if __name__ == "__main__":

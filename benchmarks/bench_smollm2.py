@@ -4,8 +4,9 @@ a. minillm cached decode vs ``transformers.LlamaForCausalLM.generate`` on the sa
    copied with ``minillm.checkpoints.hf.to_transformers``, attention "sdpa" in both): tokens/s and their ratio.
 b. minillm naive recompute vs KV-cached decode at 64, 128 and 256 new tokens.
 c. The time of one decode step against batch size 1 ... 32 at a fixed context.
-d. Memory-bandwidth utilisation of decode (gpt-fast's "MBU"): (weight bytes + KV bytes read per step) x
-   steps/s, over the read bandwidth ``minillm.analysis.roofline.measure_bandwidth`` measures in the same run.
+d. The share of the measured read bandwidth that decode reaches: (weight bytes + KV bytes read per step) x
+   steps/s, over the read bandwidth ``minillm.analysis.roofline.measure_bandwidth`` measures in the same run
+   (not MBU, which divides by the memory's datasheet peak).
 
 Batch 1 (a, b), float32, greedy, a fixed prompt, EOS disabled; a and b check that the compared paths give
 identical tokens and exit with FAIL otherwise. Targets: minillm >= 1.1x transformers; cached >= 10x naive
@@ -95,11 +96,11 @@ def naive_vs_cached(model, prompt, repeats) -> None:
 
 
 def batch_sweep(model, bandwidth: float) -> None:
-    """Parts c and d by batch size: step time, tokens/s, and the MBU of each step."""
+    """Parts c and d by batch size: step time, tokens/s, and each step's share of the read bandwidth."""
     dtype = model.dtype
     print(f"\nc. One decode step against batch size (every row attends {BATCH_CONTEXT} cached positions; random "
           f"token ids; median of {STEP_REPEATS} steps after one warm-up, minillm.analysis.roofline.time_decode_step)")
-    print(f"{'batch':>5} | {'ms/step':>8} | {'x batch 1':>9} | {'tok/s':>7} | {'MB read/step':>12} | {'MBU':>5}")
+    print(f"{'batch':>5} | {'ms/step':>8} | {'x batch 1':>9} | {'tok/s':>7} | {'MB read/step':>12} | read share")
     base = None
     for batch in BATCHES:
         seconds = time_decode_step(model, BATCH_CONTEXT, batch, repeats=STEP_REPEATS)
@@ -107,7 +108,7 @@ def batch_sweep(model, bandwidth: float) -> None:
         read = decode_bytes(model.config, BATCH_CONTEXT, batch, dtype)
         mbu = bandwidth_utilisation(read, 1 / seconds, bandwidth)
         print(f"{batch:>5} | {seconds * 1e3:>8.2f} | {seconds / base:>8.2f}x | {batch / seconds:>7.1f} | "
-              f"{read / 1e6:>12.1f} | {mbu:>5.0%}")
+              f"{read / 1e6:>12.1f} | {mbu:>10.0%}")
     print(f"(a step at batch {BATCHES[-1]} does {BATCHES[-1]}x the work of batch 1; where it takes far less than "
           f"{BATCHES[-1]}x the time, decode is bound by reading the weights, which every row shares)")
 
@@ -119,14 +120,14 @@ def batch1_utilisation(model, prompt_len: int, runs: list[Run], bandwidth: float
     weights, kv = streamed_weight_bytes(model.config, dtype), kv_cache_bytes(model.config, context, 1, dtype)
     step = statistics.median(statistics.mean(r.steps) for r in runs)
     achieved, mbu = (weights + kv) / step, bandwidth_utilisation(weights + kv, 1 / step, bandwidth)
-    print("\nd. Memory-bandwidth utilisation of batch-1 decode (gpt-fast's MBU), from part a's minillm runs")
+    print("\nd. Batch-1 decode's share of the measured read bandwidth, from part a's minillm runs")
     print(f"bytes read per step: {weights / 1e6:.1f} MB of weights + {kv / 1e6:.1f} MB of KV cache (mean context "
           f"{context} tokens) = {(weights + kv) / 1e6:.1f} MB")
     print(f"decode step (TPOT, median of {len(runs)} runs): {step * 1e3:.2f} ms = {1 / step:.1f} steps/s "
           f"-> {achieved / 1e9:.2f} GB/s")
     print(f"read bandwidth measured in this run ({default_probe_bytes(model.device) / 2 ** 20:.0f} MiB read, "
           f"above the last-level cache, threads {torch.get_num_threads()}): {bandwidth / 1e9:.2f} GB/s")
-    print(f"MBU = {achieved / 1e9:.2f} / {bandwidth / 1e9:.2f} = {mbu:.0%} (the rest of each "
+    print(f"read share = {achieved / 1e9:.2f} / {bandwidth / 1e9:.2f} = {mbu:.0%} (the rest of each "
           f"step: compute and per-step overhead; the floor, all bytes at read speed, is "
           f"{1e3 / bandwidth_bound_steps_per_s(weights + kv, bandwidth):.2f} ms/step)")
 

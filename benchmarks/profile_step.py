@@ -31,8 +31,8 @@ from llama_peer import LlamaChild, llama_problem
 
 PROMPT = "Once upon a time, in a small village,"
 PARTS = ("matmuls", "attention", "rotary", "cache writes, copies", "norms", "SwiGLU", "residual adds",
-         "embedding", "fused element-wise", "sampling", "Python in forward", "wrapper (Python)", "guards (dynamo)",
-         "Python in the loop", "outside llama_decode")
+         "embedding", "fused element-wise", "sampling", "wrapper (Python)", "guards (dynamo)", "Python in the loop",
+         "outside llama_decode")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,11 +76,11 @@ def label_modules(model):
     return handles
 
 
-def eager_part(event) -> str:
+def eager_part(event) -> str | None:
     """The part of an eager profiler event: the innermost labelled module around it (attention refined by
-    the operator's name); a label's own time is Python in the model's forward."""
+    the operator's name); None for a label itself (its own time is the hooks' and Python's)."""
     if event.name.startswith("part:"):
-        return "Python in forward"
+        return None
     parent = event.cpu_parent
     while parent is not None and not parent.name.startswith("part:"):
         parent = parent.cpu_parent
@@ -139,8 +139,9 @@ def profile_steps(step_fn, steps: int, part_of) -> tuple[dict, int]:
     seconds, ops = {}, 0
     for event in prof.events():
         part = part_of(event)
-        seconds[part] = seconds.get(part, 0.0) + event.self_cpu_time_total / 1e6 / steps
-        ops += 1
+        if part is not None:
+            seconds[part] = seconds.get(part, 0.0) + event.self_cpu_time_total / 1e6 / steps
+            ops += 1
     return seconds, ops // steps
 
 
@@ -219,8 +220,8 @@ def print_table(columns: dict[str, dict]) -> None:
     print(f"{'sum of the parts (instrumented)':>34} | " + " | ".join(f"{s * 1e3:>15.3f}" for s in sums))
     print(f"{'step as it runs (no instrument)':>34} | " +
           " | ".join(f"{columns[n]['step'] * 1e3:>15.3f}" for n in names))
-    rest = [columns[n]["step"] - columns[n]["parts"].get("matmuls", 0.0) for n in names]
-    print(f"{'step - matmuls':>34} | " + " | ".join(f"{r * 1e3:>15.3f}" for r in rest))
+    rest = [columns[n]["step"] - s for n, s in zip(names, sums)]
+    print(f"{'step as it runs - parts':>34} | " + " | ".join(f"{r * 1e3:>15.3f}" for r in rest))
     for name in names:
         print(f"{name}: {columns[name]['note']}")
 
@@ -240,10 +241,8 @@ def main(argv=None) -> int:
           f"{args.steps} decode steps timed per run")
     columns = {}
     for name, (step, seconds, ops) in minillm_runs(args, model, prompt).items():
-        rest = step - sum(seconds.values())
-        note = f"{ops} profiler events a step, each adding its own cost; " + (
-            f"Python outside every event: the step as it runs less the parts, {rest * 1e3:.2f} ms" if rest > 0
-            else "the step as it runs is shorter than the parts: the events' cost exceeds the time between them")
+        note = (f"{ops} profiler events a step, each adding its own cost; step as it runs - parts: Python and "
+                "dispatch outside the events, less the events' own cost (< 0: the events cost more)")
         columns[name] = {"parts": seconds, "step": step, "note": note}
     problem = llama_problem(args.llama_python)
     if problem:
@@ -260,9 +259,9 @@ def main(argv=None) -> int:
         seconds = dict(parts["seconds"])
         seconds["outside llama_decode"] = step - in_decode  # generate()'s sampling and Python
         columns["llama.cpp"] = {"parts": seconds, "step": step, "note": (
-            f"{parts['nodes']:.0f} graph nodes a step, each run on its own; llama_decode "
-            f"{in_decode * 1e3:.2f} ms a step (llama_perf_context), the rest of the step (sampling, "
-            f"llama-cpp-python's Python) {seconds['outside llama_decode'] * 1e3:.2f} ms")}
+            f"{parts['nodes']:.0f} graph nodes a step, each run on its own (at 2+ threads each start costs its "
+            f"threads' wake-up); llama_decode {in_decode * 1e3:.2f} ms a step (llama_perf_context); outside it "
+            "(sampling, llama-cpp-python's Python) the step as it runs less that")}
     print()
     print_table(columns)
     return 0

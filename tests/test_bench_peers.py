@@ -102,3 +102,53 @@ def test_the_waiting_note_reads_wall_over_cpu_time_of_the_one_thread_runs():
     shared = bench_peers.waiting_note({("int4", 1): 50.0, ("llama.cpp", 1): 40.0},
                                       {("int4", 1): 51.0, ("llama.cpp", 1): 48.0})
     assert "at most 1.20 (llama.cpp)" in shared and "other programs took the core" in shared
+
+
+README = BENCHMARKS.parent / "README.md"
+
+
+def _readme_block(first_line: str) -> list[str]:
+    """The lines of the README's code block that starts with ``first_line``."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index("\n" + first_line) + 1
+    return text[start:text.index("\n```", start)].splitlines()
+
+
+def test_the_quoted_bench_peers_run_is_the_readme_s():
+    """minillm.book.data.BENCH_PEERS_RUN, which chapter 2.5 quotes, holds the README's rows at 1 and 2 threads,
+    and the README's run was measured against a fair llama.cpp build and met the target."""
+    from minillm.book.data import BENCH_PEERS_RUN
+
+    lines = _readme_block("bench_peers: ")
+    rows = {}
+    for line in lines:
+        cells = [cell.strip() for cell in line.split("|")]
+        if len(cells) > 9 and cells[1].isdigit() and cells[0] != "read BW":
+            tok, ms, ratio, _, _, mb = cells[2:8]
+            rows[cells[0], int(cells[1])] = {"tokens/s": float(tok), "ms/token": float(ms),
+                                             "vs llama.cpp": float(ratio.rstrip("x")), "MB/token": float(mb)}
+    quoted = {(name, 1): BENCH_PEERS_RUN[name] for name in ("int4 compiled", "int4 eager", "llama.cpp")}
+    quoted |= {(name, 2): row for name, row in BENCH_PEERS_RUN["2 threads"].items()}
+    assert rows == quoted
+    system = next(line for line in lines if line.strip().startswith("CPU :"))
+    assert llama_peer.build_problem(system, "avx512_vnni") is None
+    eager = (BENCH_PEERS_RUN["int4 eager"], BENCH_PEERS_RUN["2 threads"]["int4 eager"])
+    assert lines[-1].endswith("(met); int4 eager " + ", ".join(f"{row['vs llama.cpp']:.2f}x" for row in eager))
+
+
+def test_the_quoted_step_profile_is_the_readme_s():
+    from minillm.book.data import PROFILE_STEP_RUN
+
+    lines = _readme_block("profile_step: ")
+    header = next(line for line in lines if line.strip().startswith("ms per decode step"))
+    engines = [cell.strip() for cell in header.split("|")[1:]]
+    table = {}
+    for line in lines:
+        cells = [cell.strip() for cell in line.split("|")]
+        if len(cells) == len(engines) + 1 and cells[0] != "ms per decode step":
+            table[cells[0]] = dict(zip(engines, cells[1:]))
+    for engine, parts in PROFILE_STEP_RUN["parts"].items():
+        shown = {part: float(row[engine]) for part, row in table.items()
+                 if row[engine] != "-" and not part.startswith(("sum of", "step as"))}
+        assert shown == parts, engine
+        assert float(table["step as it runs (no instrument)"][engine]) == PROFILE_STEP_RUN["step ms"][engine]

@@ -108,7 +108,7 @@ def test_lscpu_gives_the_last_level_total():
 
 @pytest.mark.parametrize("llc", [32 * 2**20, 480 * 2**20, 2**20])
 def test_the_read_probe_is_larger_than_the_last_level_cache(llc):
-    """The review's machine reports a 480 MiB L3: a 256 MiB probe would have measured the cache."""
+    """A machine that reports a 480 MiB L3: a 256 MiB probe would have measured the cache."""
     n = read_probe_bytes(llc)
     assert n >= LLC_FACTOR * llc and n >= MIN_PROBE_BYTES
     assert read_probe_bytes(480 * 2**20) == 1920 * 2**20

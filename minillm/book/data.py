@@ -5,12 +5,33 @@ A100_PEAK_FLOPS = 312e12  # FLOP/s: dense float16/bfloat16 on the tensor cores
 A100_BANDWIDTH = 2.039e12  # bytes/s: HBM2e
 A100_MEMORY = 80 * 2**30  # bytes: sold as "80GB", it holds 80 GiB (nvidia-smi: 81,920 MiB)
 
-# The one-thread rows of the benchmarks/bench_peers.py run that README.md prints in full: chapter 2.5 quotes them
-# where llama-cpp-python is not installed (tests/test_book.py holds them equal to the README's rows).
+# The benchmarks/bench_peers.py run that README.md prints in full, against llama.cpp built for the CPU: chapter 2.5
+# quotes it where llama-cpp-python is not installed. Each row is (contender) -> its columns at 1 thread, and at 2
+# threads under "2 threads" (tests/test_bench_peers.py holds every row equal to the README's).
 BENCH_PEERS_RUN = {
-    "machine": "a 2-core AMD EPYC VM",
-    "llama.cpp": {"tokens/s": 67.1, "MB/token": 98.3},
-    "int4 compiled": {"tokens/s": 83.2, "ms/token": 12.02, "vs llama.cpp": 1.24},
+    "machine": "a 2-core AMD EPYC VM (AVX-512 VNNI)",
+    "int4 compiled": {"tokens/s": 184.6, "ms/token": 5.42, "vs llama.cpp": 1.22, "MB/token": 100.0},
+    "int4 eager": {"tokens/s": 128.9, "ms/token": 7.76, "vs llama.cpp": 0.85, "MB/token": 100.0},
+    "llama.cpp": {"tokens/s": 151.1, "ms/token": 6.62, "vs llama.cpp": 1.00, "MB/token": 98.3},
+    "2 threads": {
+        "int4 compiled": {"tokens/s": 216.1, "ms/token": 4.63, "vs llama.cpp": 1.24, "MB/token": 100.0},
+        "int4 eager": {"tokens/s": 144.1, "ms/token": 6.94, "vs llama.cpp": 0.83, "MB/token": 100.0},
+        "llama.cpp": {"tokens/s": 174.5, "ms/token": 5.73, "vs llama.cpp": 1.00, "MB/token": 98.3},
+    },
+}
+
+# The benchmarks/profile_step.py run at one thread that README.md prints in full (tests/test_bench_peers.py holds
+# these equal to its rows): ms a decode step, each step as it runs and its parts, instrumented.
+PROFILE_STEP_RUN = {
+    "machine": "the same VM, 1 thread",
+    "step ms": {"int4 compiled": 5.212, "llama.cpp": 6.793},
+    "parts": {
+        "int4 compiled": {"matmuls": 3.264, "attention": 1.068, "fused element-wise": 0.066, "sampling": 0.042,
+                          "wrapper (Python)": 1.193, "guards (dynamo)": 0.079, "Python in the loop": 0.012},
+        "llama.cpp": {"matmuls": 5.622, "attention": 0.321, "rotary": 0.060, "cache writes, copies": 0.068,
+                      "norms": 0.120, "SwiGLU": 0.028, "residual adds": 0.042, "embedding": 0.004,
+                      "outside llama_decode": 0.078},
+    },
 }
 
 

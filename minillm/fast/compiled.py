@@ -48,8 +48,8 @@ class StaticCacheView:
 
     keys[i], values[i]: (B, n_kv_heads, max_len, head_dim) of layer i, e.g. a
     ``KVCache``'s ``k`` and ``v``. Written in place (their addresses never change, as a
-    CUDA graph needs). It keeps no lengths (``end`` only forgets the call): the caller gives
-    the positions and keeps the lengths.
+    CUDA graph needs). It keeps no lengths (``end`` only forgets the call): the caller
+    gives the positions and keeps the lengths.
     """
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):

@@ -1,15 +1,21 @@
-"""Turning next-token logits into a token: greedy, temperature, top-k, top-p."""
+"""Turning next-token logits into a token: greedy, temperature, top-k, top-p.
+
+``SamplingParams`` needs no torch (the request types and the bench client use it); the functions that sample
+import it when called.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .validate import check_int, check_number
 
+if TYPE_CHECKING:
+    import torch
+
 # The smallest temperature that is sampled; below it float32's logits / temperature overflows (NaN in the
 # softmax), and sampling would be greedy anyway: every non-tied logit but the largest gets probability 0.
-MIN_TEMPERATURE = float(torch.finfo(torch.float32).tiny)
+MIN_TEMPERATURE = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny, the smallest normal float32
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     to 1: a row the arithmetic cannot make a distribution of (NaN or +inf logits, or every
     logit -inf) falls back to the argmax's one-hot.
     """
+    import torch
+
     logits = logits.float()
     if params.greedy:
         return _one_hot_argmax(logits)
@@ -71,12 +79,16 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     """All the mass on the largest logit (NaN counts as the smallest; a row of all -inf picks token 0)."""
+    import torch
+
     safe = torch.nan_to_num(logits, nan=float("-inf"))
     return torch.nn.functional.one_hot(safe.argmax(-1), logits.shape[-1]).float()
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits (B, V) -> token ids (B,)."""
+    import torch
+
     if params.greedy:
         return logits.argmax(-1)
     probs = filtered_probs(logits, params)

@@ -1,12 +1,19 @@
-"""Argument checks shared by the library, one helper per rule: errors name the value and the limit."""
+"""Argument checks shared by the library, one helper per rule: errors name the value and the limit.
+
+torch is imported only by the checks of tensors, so the torch-free parts of minillm (the request types, the
+workload generator, the bench client) can use the rest.
+"""
 from __future__ import annotations
 
 import json
 import math
+import sys
 from numbers import Real
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed accepts (a 64-bit seed, signed or not)
 
@@ -51,6 +58,8 @@ def check_seed(name: str, seed) -> int | None:
 
 def check_integer_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` if its dtype holds integers (not float, complex or bool), else TypeError."""
+    import torch
+
     if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
         raise TypeError(f"{name} must hold integers, got dtype {tensor.dtype}")
     return tensor
@@ -59,7 +68,8 @@ def check_integer_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
 def check_token_ids(ids, vocab_size: int) -> None:
     """Every id (a tensor or a sequence of ints) must lie in [0, vocab_size); the ValueError names one that
     does not."""
-    if isinstance(ids, torch.Tensor):
+    torch = sys.modules.get("torch")  # without torch loaded, ``ids`` cannot be a tensor
+    if torch is not None and isinstance(ids, torch.Tensor):
         if ids.numel() == 0:
             return
         lo, hi = int(ids.min()), int(ids.max())
@@ -72,6 +82,8 @@ def check_token_ids(ids, vocab_size: int) -> None:
 
 def as_prompt_tensor(prompt_ids, vocab_size: int, device) -> torch.Tensor:
     """A list/1-D tensor of integer ids -> (1, T) long tensor on ``device``, validated."""
+    import torch
+
     if isinstance(prompt_ids, (str, bytes)):
         raise TypeError(f"prompt_ids is text ({prompt_ids[:40]!r}), not token ids; encode it first: "
                         "tokenizer.encode(text)")

@@ -3,8 +3,12 @@ fake clock), failures are counted, and on a real minillm server the client's num
 own plus the HTTP time the client measures."""
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -617,3 +621,42 @@ def test_sse_lines_is_linear_and_caps_a_line():
     with pytest.raises(StreamError, match="longer than"):
         asyncio.run(collect(256))  # 16 MiB
     assert time.monotonic() - start < 2
+
+
+# ---- a client for any OpenAI server: no torch, no engine --------------------------------------------------
+REFUSE_TORCH = """
+import sys
+
+
+class Refuse:
+    \"\"\"Makes importing torch or minillm's engine an ImportError in this process.\"\"\"
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch" or name.startswith("minillm.engine"):
+            raise ImportError(f"{name} is refused: the bench client must run without it")
+
+
+sys.meta_path.insert(0, Refuse())
+"""
+
+
+def test_the_bench_client_runs_where_torch_and_the_engine_cannot_be_imported(fake, tmp_path):
+    """``python -m minillm bench`` in a process that cannot import torch or the engine (a sitecustomize on
+    PYTHONPATH refuses them): its help, and a run against a fake OpenAI server, with its JSON."""
+    (tmp_path / "sitecustomize.py").write_text(REFUSE_TORCH)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args], env=env, cwd=Path(__file__).resolve().parent.parent,
+                              capture_output=True, text=True, timeout=60)
+
+    refused = run("-c", "import minillm.model")
+    assert refused.returncode == 1 and "torch is refused" in refused.stderr  # the refusal works
+    assert run("-c", "import minillm; minillm.SamplingParams(temperature=0.5)").returncode == 0
+    shown = run("-m", "minillm", "bench", "--help")
+    assert shown.returncode == 0 and "--request-rate" in shown.stdout, shown.stderr
+    out = tmp_path / "run.json"
+    done = run("-m", "minillm", "bench", "--url", fake.url("ok"), "--model", "fake", "--num-requests", "4",
+               "--concurrency", "2", "--prompt-len", "4", "4", "--output-len", "2", "2", "--json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(out.read_text())["metrics"]["completed"] == 4

@@ -120,6 +120,7 @@ def test_degenerate_temperature_and_top_p_sample_the_argmax(kwargs):
 
 def test_a_temperature_below_float32s_smallest_normal_is_greedy_and_one_above_is_sampled():
     from minillm.sampling import MIN_TEMPERATURE
+    assert MIN_TEMPERATURE == torch.finfo(torch.float32).tiny  # a literal, so that SamplingParams needs no torch
     assert SamplingParams(temperature=MIN_TEMPERATURE / 2).greedy
     assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
     # just above the threshold: finite, and still the argmax (the gaps underflow); ties share the mass

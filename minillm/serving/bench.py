@@ -202,13 +202,14 @@ def tokenizer_for(model: str) -> str | None:
     llama-cpp-python names its model), or None."""
     from pathlib import Path
 
-    from ..checkpoints.pretrained import PACKAGED
-
     path = Path(model).expanduser()
-    if model.lower() in PACKAGED or (path.is_file() and path.suffix.lower() == ".gguf") or \
-            (path.is_dir() and (path / "tokenizer.json").is_file()):
+    if (path.is_file() and path.suffix.lower() == ".gguf") or (path.is_dir() and (path / "tokenizer.json").is_file()):
         return model
-    return None
+    try:  # minillm reads the packaged models' files with torch, which this client does not need otherwise
+        from ..checkpoints.pretrained import PACKAGED
+    except ImportError:
+        return None
+    return model if model.lower() in PACKAGED else None
 
 
 class StreamError(ValueError):

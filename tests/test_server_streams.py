@@ -20,9 +20,10 @@ from minillm import ByteTokenizer
 from minillm.engine import Engine, EngineConfig, Request
 from minillm.serving import launch_server
 from minillm.serving.launch import free_port
-from minillm.serving.limits import Admission
+from minillm.serving.limits import SEND_BUFFER_BYTES, Admission, ServerLimits
 from minillm.serving.loop import EngineLoop
 from minillm.serving.output import OutputProcessor
+from minillm.serving.protocol import ApiError
 
 pytestmark = pytest.mark.slow  # starts servers
 
@@ -31,8 +32,11 @@ TINY = ["--model", "tiny", "--device", "cpu", "--threads", "1", "--no-access-log
 ONE_TOKEN = {"model": "tiny", "prompt": "Hi", "max_tokens": 1}
 
 
+EVENT_BYTES = 1500  # at least: a chat event of one token with 20 log-probs (about 1.56 KB)
+
+
 def stalled_stream(port: int, max_tokens: int = 2000) -> socket.socket:
-    """A chat stream of ``max_tokens`` tokens with 20 log-probs each (about 2.5 KB of events a token) on a
+    """A chat stream of ``max_tokens`` tokens with 20 log-probs each (``EVENT_BYTES`` of events a token) on a
     socket with a tiny receive buffer, never read."""
     body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": max_tokens,
                        "ignore_eos": True, "logprobs": True, "top_logprobs": 20, "stream": True}).encode()
@@ -89,27 +93,76 @@ def test_a_stream_whose_client_takes_nothing_is_cut_off_after_the_send_timeout()
         assert "took nothing for 1 s" in server.log_text()
 
 
-def test_a_stream_not_read_past_its_buffer_is_aborted(tiny_model):
-    """The engine stops working for a stream whose client has left ``max_buffered_outputs`` outputs untaken."""
+def run_stream(tiny_model, consume, limit: int = 8, max_tokens: int = 300):
+    """``consume(stream)`` on one request of ``max_tokens`` tokens, on an engine loop whose streams hold at most
+    ``limit`` outputs for a client that does not read; (what it returned, the engine's record)."""
     async def main():
-        loop = EngineLoop(Engine(tiny_model, EngineConfig(num_blocks=32)), max_buffered_outputs=8)
+        loop = EngineLoop(Engine(tiny_model, EngineConfig(num_blocks=32)), max_buffered_outputs=limit)
         loop.start()
         try:
             slot = Admission(1, 1).admit()
-            loop.submit(Request("never-read", [5, 6, 7], 300, ignore_eos=True),
-                        OutputProcessor(ByteTokenizer(), []), slot, time.perf_counter())
+            stream = loop.submit(Request("r", [5, 6, 7], max_tokens, ignore_eos=True),
+                                 OutputProcessor(ByteTokenizer(), []), slot, time.perf_counter())
+            got = await asyncio.wait_for(consume(stream), TIMEOUT)
             deadline = time.monotonic() + TIMEOUT
-            while slot.admission is not None and time.monotonic() < deadline:
+            while (slot.admission is not None or not loop.records.rows) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            while not loop.records.rows and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            return slot, loop.records.rows[0]
+            assert slot.admission is None  # the slot was given back: the engine ended the request
+            return got, loop.records.rows[0]
         finally:
             loop.stop()
 
-    slot, record = asyncio.run(main())
-    assert slot.admission is None  # the slot was given back: the engine ended the request
-    assert (record.status, record.reason) == ("aborted", "client") and record.completion_tokens < 300
+    return asyncio.run(main())
+
+
+def test_a_stream_whose_client_stops_taking_outputs_is_aborted_after_its_limit(tiny_model):
+    """The consumer takes one output and never comes back (its send waits on a client that reads nothing):
+    the engine stops after ``limit`` more, and a client that reads again finds them, then the error."""
+    async def stuck_sending(stream):
+        await anext(stream)
+        while not stream.ended:  # the send that never ends
+            await asyncio.sleep(0.01)
+        taken = []
+        with pytest.raises(ApiError, match="took none of the last 8 outputs") as error:
+            async for out in stream:
+                taken.append(out)
+        return taken, error.value
+
+    (taken, error), record = run_stream(tiny_model, stuck_sending)
+    assert (record.status, record.reason) == ("aborted", "client") and record.completion_tokens < 20
+    assert 8 <= len(taken) < 20 and error.status == 408
+
+
+def test_outputs_that_pile_up_while_the_consumer_waits_abort_nothing(tiny_model):
+    """A busy event loop (not a client that does not read) can leave many outputs waiting for a consumer that
+    is ready: the request runs to its end."""
+    async def ready_but_late(stream):
+        async def read_all():
+            return [out async for out in stream]
+
+        reader = asyncio.ensure_future(read_all())  # a client that takes every output
+        await asyncio.sleep(0.05)  # the reader now waits for its next output
+        time.sleep(0.5)  # the event loop is busy elsewhere while the engine steps on: far more than 8 arrive
+        await asyncio.sleep(0)  # they are delivered before the reader wakes
+        piled = len(stream.outputs)
+        return await reader, piled
+
+    (outputs, piled), record = run_stream(tiny_model, ready_but_late)
+    assert piled > 8 and (record.status, record.reason) == ("finished", "max_tokens")
+    assert sum(len(out.token_ids) for out in outputs) == 300
+
+
+def test_a_stalled_reader_costs_the_engine_what_its_buffers_hold_not_its_max_tokens():
+    """A chat stream of 2,000 tokens with 20 log-probs each, never read: the engine ends it once the
+    connection's send buffers (the kernel's ``SEND_BUFFER_BYTES``, counted twice by Linux, and asyncio's
+    64 KiB) and ``max_buffered_outputs`` are full."""
+    with launch_server(TINY, startup_timeout=60) as server:
+        with stalled_stream(server.port):
+            wait_for_engine(server, 1)
+            record = httpx.get(f"{server.base}/minillm/requests", timeout=TIMEOUT).json()["requests"][-1]
+    bound = (2 * SEND_BUFFER_BYTES + 64 * 1024) // EVENT_BYTES + ServerLimits.max_buffered_outputs + 2
+    assert (record["status"], record["reason"]) == ("aborted", "client")
+    assert record["completion_tokens"] <= bound < 2000
 
 
 def test_a_request_during_a_flood_of_big_bodies_is_answered_at_once():

@@ -11,7 +11,7 @@ OpenAI-compatible server is built on: an asyncio server that holds thousands of 
 with request validation and streaming responses built in. The code is in ``minillm.serving``.
 
 ``--precision {float32,bfloat16,int8,int4}`` picks the weights as in ``python -m minillm``
-(``minillm.fast.quant.load_precision``): int4 is the GGUF file's own 4-bit weights, so the tiny model,
+(``minillm.fast.precision.load_precision``): int4 is the GGUF file's own 4-bit weights, so the tiny model,
 which has no file, takes float32, bfloat16 or int8 (its random weights made into that variant).
 
 Limits (flags, see ``--help``; ``minillm.serving.limits``): a request body of at most ``--max-body-bytes``
@@ -131,11 +131,13 @@ def memory_bytes(device: torch.device) -> int | None:
         return None
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before the model loads (so a port in use fails fast); OSError if not."""
+def bind_socket(host: str, port: int, send_buffer: int) -> socket.socket:
+    """The listening socket, bound before the model loads (so a port in use fails fast); OSError if not.
+    Its connections inherit its kernel send buffer of ``send_buffer`` bytes (Linux counts twice that)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     try:
         sock.bind((host, port))
     except OSError:
@@ -183,14 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from .app import create_app
-        from .limits import MAX_HEADER_BYTES, Connections, connection_protocol
+        from .limits import MAX_HEADER_BYTES, SEND_BUFFER_BYTES, Connections, connection_protocol
     except ImportError as error:
         print(f"{PROG}: error: {error}; install the server's packages with: pip install 'minillm[serve]'",
               file=sys.stderr)
         return NOT_INSTALLED
     args = parse_args(argv)
     try:
-        sock = bind_socket(args.host, args.port)
+        sock = bind_socket(args.host, args.port, SEND_BUFFER_BYTES)
     except OSError as error:
         in_use = error.errno == errno.EADDRINUSE
         print(f"{PROG}: error: {args.host}:{args.port} is "

@@ -42,6 +42,10 @@ from .protocol import ApiError
 
 log = logging.getLogger("minillm.serving")
 MAX_HEADER_BYTES = 16 * 1024  # the request line and headers (h11's own bound on headers that arrive in pieces)
+# A connection's kernel send buffer (Linux's own grows to 4 MiB): with asyncio's 64 KiB, what a client that
+# stops reading leaves unsent before its stream's outputs pile up (``max_buffered_outputs``); at 100 ms
+# round trips it still carries 1.3 MB/s, far more than a stream of tokens.
+SEND_BUFFER_BYTES = 128 * 1024
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class ServerLimits:
     prepare_timeout: float = 30.0  # s to wait for, parse, render the chat template and tokenize, else 503
     shutdown_timeout: float = 5.0  # s the streams running at shutdown may still take before they are ended
     retry_after: int = 1  # s, the Retry-After of a 429 or 503
-    max_buffered_outputs: int = 1024  # outputs a stream may hold for a client that does not read; then aborted
+    max_buffered_outputs: int = 64  # outputs a stream may hold while its client's buffers are full; then aborted
 
 
 # ---- the ASGI middleware ------------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..engine import Engine, Request
-from .limits import Slot
+from .limits import ServerLimits, Slot
 from .output import OutputProcessor, RequestOutput
+from .protocol import ApiError
 from .records import Records
 
 log = logging.getLogger("minillm.serving")
@@ -27,14 +28,19 @@ log = logging.getLogger("minillm.serving")
 
 class RequestStream:
     """One request's ``RequestOutput`` s, as an async iterator that ends after the last one (or raises the
-    error that ended it). It holds the request's admission slot until the engine has ended the request,
-    and at most ``limit`` outputs its client has not taken: one more aborts the request."""
+    error that ended it). It holds the request's admission slot until the engine has ended the request.
+
+    Its consumer takes an output, sends it, and comes back for the next; while a send waits for a client
+    that does not read (its connection's buffers are full), outputs pile up here. At most ``limit`` may:
+    one more aborts the request, so the engine works for such a client only as far as its buffers and
+    ``limit`` outputs hold, and the client, if it reads again, finds an error event after them."""
 
     def __init__(self, owner: EngineLoop, request_id: str, slot: Slot, limit: int):
         self.owner, self.request_id, self.slot, self.limit = owner, request_id, slot, limit
         self.loop = asyncio.get_running_loop()
         self.outputs: deque[RequestOutput | Exception] = deque()
         self.ready = asyncio.Event()
+        self.sending = False  # the consumer is sending the output it took last, not waiting for the next
         self.ended = False  # the engine has ended the request (the event loop's view)
         self.closing = False  # asked the engine to end it
 
@@ -53,13 +59,17 @@ class RequestStream:
         if item is not None:
             self.outputs.append(item)
             self.ready.set()
-        if len(self.outputs) > self.limit and not self.ended:
-            self.close()  # a client that does not read its stream: the engine stops working for it
+        if self.sending and len(self.outputs) > self.limit and not self.ended and not self.closing:
+            self.outputs.append(ApiError(408, f"the client took none of the last {self.limit} outputs of its stream "
+                                              "while its connection's buffers were full; the request was aborted",
+                                         code="stream_not_read"))
+            self.close()  # the engine stops working for a client that does not read
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        self.sending = False
         while not self.outputs:
             if self.ended:
                 raise StopAsyncIteration
@@ -68,6 +78,7 @@ class RequestStream:
         item = self.outputs.popleft()
         if isinstance(item, Exception):
             raise item
+        self.sending = True
         return item
 
     def close(self) -> None:
@@ -102,7 +113,7 @@ class EngineLoop:
     """Owns an ``Engine`` and the thread that drives it (``start`` / ``stop``). ``stats`` is the engine's
     load after the latest step or command; ``records`` the records of the latest ended requests."""
 
-    def __init__(self, engine: Engine, max_buffered_outputs: int = 1024):
+    def __init__(self, engine: Engine, max_buffered_outputs: int = ServerLimits.max_buffered_outputs):
         self.engine, self.max_buffered = engine, max_buffered_outputs
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.requests: dict[str, tuple[OutputProcessor, RequestStream]] = {}  # engine thread only

@@ -26,6 +26,7 @@ import contextlib
 import heapq
 import ipaddress
 import itertools
+import json
 import logging
 import threading
 import time
@@ -337,7 +338,9 @@ def _peer(transport) -> tuple | None:
 
 
 def connection_protocol(connections: Connections):
-    """uvicorn's h11 protocol class, telling ``connections`` when each connection opens and closes."""
+    """uvicorn's h11 protocol class, telling ``connections`` when each connection opens and closes, and
+    answering headers over ``MAX_HEADER_BYTES`` with a 431 however they arrive."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class DeadlineProtocol(H11Protocol):
@@ -349,5 +352,22 @@ def connection_protocol(connections: Connections):
         def connection_lost(self, exc) -> None:
             connections.closed(self.watched)
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to bytes h11 cannot parse. Headers that arrive in one read reach ``Boundary``,
+            whatever their size, and get its 431; those that arrive in pieces make h11 refuse the connection
+            once it buffers more than ``MAX_HEADER_BYTES`` without their end: they get the same 431 here."""
+            buffered, _ = self.conn.trailing_data
+            if len(buffered) <= MAX_HEADER_BYTES:
+                return super().send_400_response(msg)
+            error = ApiError(431, f"the request line and headers take more than this server's limit of "
+                                  f"{MAX_HEADER_BYTES} bytes", code="request_header_fields_too_large")
+            body = json.dumps(error.body()).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                       (b"connection", b"close")]
+            head = h11.Response(status_code=431, headers=headers, reason=b"Request Header Fields Too Large")
+            for event in (head, h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
     return DeadlineProtocol

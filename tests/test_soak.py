@@ -26,13 +26,22 @@ def load_soak():
 def test_a_short_soak_run_passes_every_check(capsys):
     soak = load_soak()
     status = soak.main(["--seconds", "20", "--requests", "60", "--concurrency", "8", "--seed", "1",
-                        "--hostile-seconds", "6"])
+                        "--hostile-seconds", "6", "--rounds", "1"])
     printed = capsys.readouterr().out
     assert status == 0, printed
     assert "soak: all checks passed" in printed and "FAIL" not in printed
     assert "0 of 24 blocks used at the end" in printed
     # beside hostile clients: no victim lost a token, memory within the limits, the server still serving
-    assert "hostile: all checks passed" in printed and "victims: tokens/s" in printed
+    assert "hostile: all checks passed" in printed and "PASS  no victim lost or repeated a token" in printed
+    assert "victims kept" in printed and "  round 1 " in printed  # the window's figures, alone and beside
+
+
+def test_hostile_kinds_are_named_from_the_known_ones(capsys):
+    soak = load_soak()
+    assert soak.parse_args(["--kinds", "deep JSON,record poller"]).kinds == ("deep JSON", "record poller")
+    with pytest.raises(SystemExit):
+        soak.parse_args(["--kinds", "deep JSON,flood"])
+    assert "--kinds: unknown ['flood']" in capsys.readouterr().err
 
 
 def test_a_failed_check_is_a_nonzero_exit(capsys):

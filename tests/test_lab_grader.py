@@ -295,6 +295,14 @@ def test_one_submission_cannot_stop_the_grading_of_the_others(tmp_path, capsys):
     assert re.search(rf"{re.escape(str(good))}\n(.*\n)*?  total\s+{full} / {full}\s+points  \(100%\)", out)
 
 
+def test_the_timeout_flag_holds_for_its_own_call_only(capsys):
+    """The command line called in a process (as these tests do) leaves the checker's limit as it found it."""
+    before = checker.TIME_LIMIT
+    assert labs_cli(["grade", "any.ipynb", "--timeout", str(before + 7), "--lab", "9.9"]) == 2
+    assert "--lab 9.9: no such lab" in capsys.readouterr().err
+    assert checker.TIME_LIMIT == before
+
+
 def test_csv_and_json_give_each_notebook_its_points_tasks_and_notes(tmp_path, capsys):
     good, nb = _solved("lab2_4", tmp_path)
     broken = dict(nb, cells=nb["cells"] + [_cell("raise RuntimeError('oops')")])

@@ -52,8 +52,17 @@ def _write(target: str, text: str) -> None:
 
 
 def grade(args) -> int:
+    """Grade ``args.notebooks``; ``--timeout`` holds for this call only (the checker's limit is restored)."""
+    before = checker.TIME_LIMIT
     if args.timeout is not None:
         checker.set_time_limit(args.timeout)
+    try:
+        return _grade(args)
+    finally:
+        checker.set_time_limit(before)
+
+
+def _grade(args) -> int:
     if args.lab is not None and not lab_tasks(args.lab):
         labs = sorted({t.lab for t in checker.TASKS.values()})
         print(f"--lab {args.lab}: no such lab; the labs are {', '.join(labs)}", file=sys.stderr)

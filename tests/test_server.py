@@ -11,6 +11,7 @@ import pytest
 from conftest import SERVER_BLOCK_SIZE, SERVER_NUM_BLOCKS, TIMEOUT, wait_until_idle
 
 from minillm import ByteTokenizer, generate
+from minillm.serving.launch import launch_server
 from minillm.serving.prepare import chat_prompt_ids
 
 pytestmark = pytest.mark.slow  # starts a server
@@ -157,23 +158,35 @@ def test_the_sdk_raises_the_servers_errors(sdk):
         sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5000)
 
 
-LONG = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": MAX_TOTAL - 3, "temperature": 0, "ignore_eos": True}
+# A request of the tiny model's whole context (2048 tokens), about 2.5 s of work on one thread: long enough that
+# the tests below see it running whatever the load beside them (the shared server's pool ends one in 0.4 s).
+LONG = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2045, "temperature": 0, "ignore_eos": True}
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_blocks(server):
+@pytest.fixture(scope="module")
+def long_server():
+    """A server whose KV pool holds ``LONG`` whole."""
+    args = ["--model", "tiny", "--device", "cpu", "--threads", "1", "--num-blocks", "128", "--no-access-log"]
+    with launch_server(args, startup_timeout=60) as s:
+        yield s
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(long_server):
+    server = long_server
     with httpx.Client(timeout=TIMEOUT) as client:
         with client.stream("POST", f"{server.url}/completions", json=LONG | {"stream": True}) as response:
             lines = response.iter_lines()
             first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
             assert server.health()["kv_blocks_used"] > 0
-        # leaving the block closes the connection, after one token of hundreds
+        # leaving the block closes the connection, after one token of thousands
     health = wait_until_idle(server)
     assert (health["running"], health["kv_blocks_used"]) == (0, 0)
     record = records(server)[first["id"]]
     assert record["status"] == "aborted" and record["completion_tokens"] < LONG["max_tokens"]
 
 
-def test_a_client_that_leaves_a_whole_response_frees_its_blocks(server):
+def test_a_client_that_leaves_a_whole_response_frees_its_blocks(long_server):
+    server = long_server
     aborted = server.health()["aborted"]
 
     async def leave_once_running():

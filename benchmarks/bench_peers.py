@@ -32,13 +32,13 @@ import time
 from llama_peer import (
     LlamaChild,
     build_problem,
-    cpu_flags,
     features_not_built,
     gguf_tensor_bytes,
     install_hint,
     llama_problem,
 )
 
+from minillm.fast.blockdot import cpu_flags
 from minillm.fast.compiled import STEPS
 
 PROMPT = "Once upon a time, in a small village,"

@@ -35,16 +35,6 @@ BANNER_FLAGS = {option.removeprefix("GGML_"): flag for option, flag in GGML_OPTI
 KERNEL_FEATURES = {"avx512_vnni": ("AVX512", "AVX512_VNNI", "FMA", "F16C"), "avx2": ("AVX2", "FMA", "F16C")}
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux reports them (empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
 def cmake_args(flags: set[str]) -> str:
     """ggml's options for a CPU with ``flags``: every x86 set it has on, the rest off; on a CPU that lists
     none (not Linux x86), llama.cpp's own default, a build for the machine it is built on."""
@@ -260,4 +250,6 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         worker(sys.argv[2], [int(t) for t in sys.argv[3].split(",")], int(sys.argv[4]))
     else:
+        from minillm.fast.blockdot import cpu_flags  # here, not above: the worker runs where minillm is not
+
         print(install_hint(cpu_flags()))

@@ -33,6 +33,7 @@ from minillm.serving.output import OutputProcessor
 from minillm.serving.prepare import Prepare
 from minillm.serving.protocol import ApiError
 from minillm.serving.records import PAGE_TOKEN_TIMES, Records
+from minillm.serving.turns import Turns
 
 pytestmark = pytest.mark.slow  # starts servers
 
@@ -69,7 +70,7 @@ def test_a_step_that_fails_as_a_whole_fails_the_batch_and_is_counted(tiny_model,
         return real_run(plan)
 
     monkeypatch.setattr(engine.runner, "run", run)
-    loop = EngineLoop(engine)
+    loop = EngineLoop(engine, Turns())
     loop.start()
     try:
         results = run_on_loop(loop, [Request(f"r{i}", [5, 6, 7 + i], 40, ignore_eos=True) for i in range(3)])

@@ -24,6 +24,7 @@ from minillm.serving.limits import SEND_BUFFER_BYTES, Admission, ServerLimits
 from minillm.serving.loop import EngineLoop
 from minillm.serving.output import OutputProcessor
 from minillm.serving.protocol import ApiError
+from minillm.serving.turns import Turns
 
 pytestmark = pytest.mark.slow  # starts servers
 
@@ -97,7 +98,8 @@ def run_stream(tiny_model, consume, limit: int = 8, max_tokens: int = 300):
     """``consume(stream)`` on one request of ``max_tokens`` tokens, on an engine loop whose streams hold at most
     ``limit`` outputs for a client that does not read; (what it returned, the engine's record)."""
     async def main():
-        loop = EngineLoop(Engine(tiny_model, EngineConfig(num_blocks=32)), max_buffered_outputs=limit)
+        loop = EngineLoop(Engine(tiny_model, EngineConfig(num_blocks=32)), Turns(),
+                          max_buffered_outputs=limit)
         loop.start()
         try:
             slot = Admission(1, 1).admit()

@@ -28,6 +28,7 @@ from .output import OutputProcessor, RequestOutput
 from .prepare import Prepare
 from .protocol import ApiError, EndpointFormat, SamplingRequest, request_error, sse, usage
 from .records import PAGE_DEFAULT, PAGE_MAX, PAGE_TOKEN_TIMES
+from .turns import Turns
 
 COMPLETION, CHAT = EndpointFormat(chat=False), EndpointFormat(chat=True)
 
@@ -134,7 +135,7 @@ def create_app(tokenizer, engine: Engine, model_name: str, limits: ServerLimits 
 
     ``app.state.begin_shutdown()`` (thread-safe; ``serve`` calls it on SIGTERM): new requests get a 503,
     and the requests still in flight ``limits.shutdown_timeout`` seconds later end with an error event."""
-    loop = EngineLoop(engine, limits.max_buffered_outputs)
+    loop = EngineLoop(engine, Turns(), limits.max_buffered_outputs)
     frontend, started = Frontend(tokenizer, loop, model_name, limits), int(time.time())
     event_loop: list[asyncio.AbstractEventLoop] = []
 
@@ -143,7 +144,7 @@ def create_app(tokenizer, engine: Engine, model_name: str, limits: ServerLimits 
         event_loop.append(asyncio.get_running_loop())
         loop.start()
         yield
-        loop.stop()
+        await asyncio.to_thread(loop.stop)  # the event loop goes on taking turns while the engine thread ends
 
     def begin_shutdown() -> None:
         if frontend.admission.closing or not event_loop:
@@ -158,6 +159,7 @@ def create_app(tokenizer, engine: Engine, model_name: str, limits: ServerLimits 
     app = FastAPI(title="minillm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Boundary, host=host, send_timeout=limits.send_timeout, connections=connections)
     app.state.engine_loop, app.state.frontend, app.state.begin_shutdown = loop, frontend, begin_shutdown
+    app.state.turns = loop.turns  # for the event loop that serves the app (``turns.event_loop_factory``)
 
     @app.exception_handler(Exception)
     async def error_response(_, error: Exception) -> JSONResponse:  # OpenAI's error body for every error

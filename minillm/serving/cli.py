@@ -29,6 +29,7 @@ allocated included), 3 when a package is missing (``minillm.cli_common``), 4 whe
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import os
 import signal
@@ -168,14 +169,20 @@ def watch_stdin(server) -> None:
 
 
 def server_class(uvicorn):
-    """uvicorn.Server whose signal handler also begins the app's shutdown (``begin_shutdown``)."""
+    """uvicorn.Server whose signal handler also begins the app's shutdown (``begin_shutdown``), on an event
+    loop from ``loop_factory``."""
     class Server(uvicorn.Server):
         begin_shutdown = None  # the app's: stop admitting, end the streams left after --shutdown-timeout
+        loop_factory = None  # the event loop's (one that takes the app's turns)
 
         def handle_exit(self, sig, frame) -> None:
             if self.begin_shutdown is not None:
                 self.begin_shutdown()
             super().handle_exit(sig, frame)
+
+        def run(self, sockets: list[socket.socket] | None = None) -> None:
+            with asyncio.Runner(loop_factory=self.loop_factory) as runner:
+                runner.run(self.serve(sockets=sockets))
 
     return Server
 
@@ -186,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from .app import create_app
         from .limits import MAX_HEADER_BYTES, SEND_BUFFER_BYTES, Connections, connection_protocol
+        from .turns import event_loop_factory
     except ImportError as error:
         print(f"{PROG}: error: {error}; install the server's packages with: pip install 'minillm[serve]'",
               file=sys.stderr)
@@ -239,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         app, host=args.host, port=args.port, http=connection_protocol(connections), access_log=not args.no_access_log,
         timeout_keep_alive=5, timeout_graceful_shutdown=args.shutdown_timeout + 5,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES))
-    server.begin_shutdown = app.state.begin_shutdown
+    server.begin_shutdown, server.loop_factory = app.state.begin_shutdown, event_loop_factory(app.state.turns)
     if args.exit_with_parent:
         watch_stdin(server)
     for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal that stopped it once it has shut

@@ -13,9 +13,9 @@ The route and the engine loop stay plain; everything a hostile or broken client 
   ``max_transit_bytes`` of bodies being received or parsed at once (503).
 - ``Admission``: the one count of requests in flight (429 beyond ``capacity``, 503 once shutting down).
 - ``Preparer``: the heavy work of a request (parsing its body, the chat template, tokenizing, rendering a page
-  of records) runs one job at a time on a thread of its own, smallest first, and takes at most ``share`` of
-  the time: ``json`` and pydantic hold the GIL while they work, so this is what keeps a flood of big bodies
-  from starving the engine thread and the event loop.
+  of records) runs one job at a time on a thread of its own, smallest first, and its large jobs take at most
+  ``share`` (a tenth) of the time: ``json`` and pydantic hold the GIL while they work, so this is what keeps a
+  flood of big bodies from starving the engine thread and the event loop (which take ``turns``).
 - ``connection_protocol``: uvicorn's HTTP/1.1 protocol with a deadline for a connection's next request
   (``header_timeout``); uvicorn has no setting for it.
 """
@@ -251,7 +251,7 @@ class Preparer:
     big JSON body takes from every other thread while it runs); smaller jobs, an ordinary request's, never
     wait for that rest."""
 
-    def __init__(self, share: float = 0.2, small: int = 64 * 1024):
+    def __init__(self, share: float = 0.1, small: int = 64 * 1024):
         self.rest, self.small = 1 / share - 1, small
         self.jobs: list = []  # heap of (size, order, fn, future, event loop)
         self.ready = threading.Condition()
@@ -281,9 +281,9 @@ class Preparer:
                 result, error = job(), None
             except BaseException as e:  # handed to the request that asked
                 result, error = None, e
+            end = time.perf_counter()
             with contextlib.suppress(RuntimeError):  # its event loop has closed: nobody waits for it
                 loop.call_soon_threadsafe(_settle, future, result, error)
-            end = time.perf_counter()
             self.rested_at = max(self.rested_at, end) + self.rest * (end - start)
 
 

@@ -5,7 +5,8 @@ put commands on a queue; the engine thread applies them between steps (a request
 step runs joins the next one: continuous batching across HTTP requests), passes each new token through
 the request's ``OutputProcessor`` (text, stop strings, log-prob labels) and hands the result to the
 request's stream with ``call_soon_threadsafe``. While nothing is waiting or running it sleeps on the
-queue instead of spinning.
+queue instead of spinning. Each step is one ENGINE turn of ``turns``: the event loop's passes run between
+steps, never inside one (``turns`` says why).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .limits import ServerLimits, Slot
 from .output import OutputProcessor, RequestOutput
 from .protocol import ApiError
 from .records import Records
+from .turns import ENGINE, Turns
 
 log = logging.getLogger("minillm.serving")
 
@@ -111,10 +113,11 @@ class FailAll:
 
 class EngineLoop:
     """Owns an ``Engine`` and the thread that drives it (``start`` / ``stop``). ``stats`` is the engine's
-    load after the latest step or command; ``records`` the records of the latest ended requests."""
+    load after the latest step or command; ``records`` the records of the latest ended requests. Each step,
+    with its outputs' text and delivery, is one ENGINE turn of ``turns``."""
 
-    def __init__(self, engine: Engine, max_buffered_outputs: int = ServerLimits.max_buffered_outputs):
-        self.engine, self.max_buffered = engine, max_buffered_outputs
+    def __init__(self, engine: Engine, turns: Turns, max_buffered_outputs: int = ServerLimits.max_buffered_outputs):
+        self.engine, self.turns, self.max_buffered = engine, turns, max_buffered_outputs
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.requests: dict[str, tuple[OutputProcessor, RequestStream]] = {}  # engine thread only
         self.records = Records()
@@ -159,7 +162,8 @@ class EngineLoop:
                 else:
                     self._end_all(command.error)
             if self.engine.has_unfinished():
-                self._step()
+                with self.turns.turn(ENGINE):
+                    self._step()
             self.stats = self.engine.load()
 
     def _add(self, command: Submit) -> None:

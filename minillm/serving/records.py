@@ -4,7 +4,9 @@ what ``python -m minillm bench --compare-engine`` reads), bounded in count and i
 Only what the endpoint publishes is kept (``RequestSummary``: times and counts, never the tokens), at most
 ``KEPT`` records and ``KEPT_TOKEN_TIMES`` token times in all (the oldest go first): with SmolLM2's 8,192-token
 context, keeping whole records would let 4,096 of them hold about 2 GB. A page holds at most ``PAGE_MAX``
-records and ``PAGE_TOKEN_TIMES`` token times, and is rendered to JSON bytes by the caller's worker thread.
+records and ``PAGE_TOKEN_TIMES`` token times, and is rendered to JSON bytes by the caller's worker thread:
+each record is rendered once (with and without its token times), and a page joins the rendered records, so
+that clients who ask for pages back to back cost the server little more than the bytes it sends.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class Records:
     def __init__(self, kept: int = KEPT, kept_token_times: int = KEPT_TOKEN_TIMES):
         self.kept, self.kept_token_times = kept, kept_token_times
         self.rows: deque[RequestSummary] = deque()
+        self.rendered: deque[dict[bool, bytes]] = deque()  # each row's JSON once a page has held it (by token_times)
         self.token_times = 0  # in self.rows
         self.lock = threading.Lock()
 
@@ -31,9 +34,11 @@ class Records:
         summary = RequestSummary.of(record)
         with self.lock:
             self.rows.append(summary)
+            self.rendered.append({})
             self.token_times += len(summary.token_times)
             while len(self.rows) > self.kept or self.token_times > self.kept_token_times:
                 self.token_times -= len(self.rows.popleft().token_times)
+                self.rendered.popleft()
 
     def page(self, offset: int, limit: int, token_times: bool = True) -> bytes:
         """Skip the ``offset`` newest records; the ``limit`` before them, oldest first (fewer when their token
@@ -46,8 +51,11 @@ class Records:
                 if len(chosen) == limit or (chosen and times + cost > PAGE_TOKEN_TIMES):
                     break
                 times += cost
-                chosen.append(row)
+                rendered = self.rendered[i]
+                if token_times not in rendered:
+                    rendered[token_times] = json.dumps(row.to_json(token_times), separators=(",", ":")).encode()
+                chosen.append(rendered[token_times])
         end = offset + len(chosen)
-        return json.dumps({"requests": [row.to_json(token_times) for row in reversed(chosen)], "total": total,
-                           "offset": offset, "next_offset": end if end < total else None},
+        tail = json.dumps({"total": total, "offset": offset, "next_offset": end if end < total else None},
                           separators=(",", ":")).encode()
+        return b'{"requests":[' + b",".join(reversed(chosen)) + b"]," + tail[1:]

@@ -39,13 +39,13 @@ alone and one beside each hostile kind by itself. The hostile clients (streams t
 that drip a byte at a time before and after a response, headers that never end, bodies at the size limit
 sent back to back, pollers of the engine's records, JSON nested 100,000 deep) run in a process of their
 own at a lower scheduling priority (``run_hostile`` says why). For each window it prints the victims'
-tokens/s, their longest gap between two tokens, ``/health``'s slowest answer, the server's CPU time per
-victim token and the hostile clients' CPU seconds; then the server's peak resident memory (VmRSS sampled
-every 20 ms) alone and beside. It checks that no victim lost or repeated a token (each stream's tokens
-equal ``generate()`` alone), that the server kept its memory within what its limits allow
-(``memory_bound_mb``) and that it still serves. The speed targets (victims keep ``TARGET_SHARE`` of their
-tokens/s, the median over the rounds, and no gap over ``TARGET_GAP_S``) are printed met or missed;
-``--strict-targets`` makes a missed one fail the run.
+tokens/s, their longest gap between two tokens, ``/health``'s slowest answer, the engine's wall time per
+step (the window over its steps), the server's CPU time per victim token and the hostile clients' CPU
+seconds; then the server's peak resident memory (VmRSS sampled every 20 ms) alone and beside. It checks
+that no victim lost or repeated a token (each stream's tokens equal ``generate()`` alone), that the server
+kept its memory within what its limits allow (``memory_bound_mb``) and that it still serves. The speed
+targets (victims keep ``TARGET_SHARE`` of their tokens/s, the median over the rounds, and no gap over
+``TARGET_GAP_S``) are printed met or missed; ``--strict-targets`` makes a missed one fail the run.
 
 Traffic goes to 127.0.0.1 only; the run is bounded in time (``--seconds``, then ``--hostile-seconds`` times
 twice the rounds, plus twice the kinds with ``--per-kind``, plus the checks) and in count.
@@ -499,12 +499,19 @@ class Window:
     peak_rss_kb: int = 0
     seconds: float = 0.0
     server_cpu: float = 0.0  # s of CPU the server process used in the window
+    steps: int = 0  # steps the engine took in the window
     hostile_cpu: float = 0.0  # s of CPU the hostile clients' process used
     hostile: dict = field(default_factory=dict)  # what the hostile clients did (their process's summary)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def ms_per_step(self) -> float:
+        """The window over the engine's steps, in ms: the wall time of a step, as the engine never idles while
+        four victims stream back to back."""
+        return 1e3 * self.seconds / max(self.steps, 1)
 
     @property
     def cpu_per_token_ms(self) -> float:
@@ -587,13 +594,14 @@ def run_window(server, seconds: float, kinds: tuple[str, ...] = ()) -> Window:
     window, stop = Window(kinds), threading.Event()
     sampler = threading.Thread(target=sample_rss, args=(server.process.pid, stop, window))
     sampler.start()
-    cpu_before = cpu_seconds(server.process.pid)
+    cpu_before, steps_before = cpu_seconds(server.process.pid), server.health()["steps"]
     clients = subprocess.Popen([sys.executable, __file__, "--hostile", str(server.port), str(seconds), ",".join(kinds)],
                                stdout=subprocess.PIPE, text=True) if kinds else None
     try:
         asyncio.run(victims(server.base, seconds, window))
     finally:
         window.server_cpu = cpu_seconds(server.process.pid) - cpu_before
+        window.steps = server.health()["steps"] - steps_before
         if clients is not None:
             out, _ = clients.communicate(timeout=seconds + 120)
             window.hostile = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"error": "no summary"}
@@ -643,16 +651,17 @@ def hostile_phase(args) -> int:
 
 def window_rows(pairs: list[tuple[Window, Window]], labels: list[str]) -> float:
     """One row per (alone, beside) pair, under its label; the median share of the victims' tokens/s kept."""
-    print(f"  {'':<28}{'tokens/s':>19}{'kept':>6}{'longest gap ms':>16}{'/health ms':>12}{'server CPU ms/tok':>19}"
-          f"{'hostile':>9}")
-    print(f"  {'':<28}{'alone':>9}{'beside':>10}{'':>6}{'alone':>8}{'beside':>8}{'beside':>12}{'alone':>9}"
-          f"{'beside':>10}{'CPU s':>9}")
+    print(f"  {'':<28}{'tokens/s':>19}{'kept':>6}{'longest gap ms':>16}{'/health ms':>12}{'engine ms/step':>16}"
+          f"{'server CPU ms/tok':>19}{'hostile':>9}")
+    print(f"  {'':<28}{'alone':>9}{'beside':>10}{'':>6}{'alone':>8}{'beside':>8}{'beside':>12}{'alone':>8}"
+          f"{'beside':>8}{'alone':>9}{'beside':>10}{'CPU s':>9}")
     shares = []
     for label, (alone, beside) in zip(labels, pairs):
         shares.append(beside.tokens_per_s / alone.tokens_per_s if alone.tokens else 0.0)
         print(f"  {label:<28}{alone.tokens_per_s:>9.0f}{beside.tokens_per_s:>10.0f}{100 * shares[-1]:>5.0f}%"
               f"{1e3 * alone.longest_gap:>8.0f}{1e3 * beside.longest_gap:>8.0f}{beside.worst_health_ms:>12.0f}"
-              f"{alone.cpu_per_token_ms:>9.3f}{beside.cpu_per_token_ms:>10.3f}{beside.hostile_cpu:>9.1f}")
+              f"{alone.ms_per_step:>8.2f}{beside.ms_per_step:>8.2f}{alone.cpu_per_token_ms:>9.3f}"
+              f"{beside.cpu_per_token_ms:>10.3f}{beside.hostile_cpu:>9.1f}")
     return sorted(shares)[len(shares) // 2]
 
 

@@ -53,7 +53,7 @@ def test_a_front_turn_goes_on_while_the_engine_does_not_wait_then_for_its_share_
     assert not turns.front_may_go_on()  # past it: the waiting engine goes next
     turns.end()
     waiter.join(5)
-    assert turns.running and turns.last == ENGINE  # the engine took the next turn
+    assert turns.busy and turns.last == ENGINE  # the engine took the next turn
     turns.end()
 
 
@@ -67,7 +67,7 @@ def test_the_event_loop_runs_no_callback_during_an_engine_turn():
         loop, ran = asyncio.get_running_loop(), asyncio.Event()
 
         def callback():
-            seen["ran"], seen["turn"] = time.perf_counter(), (turns.running, turns.last)
+            seen["ran"], seen["turn"] = time.perf_counter(), (turns.busy, turns.last)
             ran.set()
 
         def engine():
@@ -83,7 +83,7 @@ def test_the_event_loop_runs_no_callback_during_an_engine_turn():
 
     with asyncio.Runner(loop_factory=event_loop_factory(turns)) as runner:
         runner.run(main())
-    assert seen["ran"] >= seen["engine ended"] and seen["turn"] == (1, FRONT)
+    assert seen["ran"] >= seen["engine ended"] and seen["turn"] == (True, FRONT)
 
 
 def test_an_idle_event_loop_holds_no_turn():

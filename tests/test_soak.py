@@ -34,6 +34,8 @@ def test_a_short_soak_run_passes_every_check(capsys):
     # beside hostile clients: no victim lost a token, memory within the limits, the server still serving
     assert "hostile: all checks passed" in printed and "PASS  no victim lost or repeated a token" in printed
     assert "victims kept" in printed and "  round 1 " in printed  # the window's figures, alone and beside
+    ms_per_step = [float(x) for x in printed.split("\n  round 1 ")[1].split()[6:8]]  # the engine's, alone and beside
+    assert "engine ms/step" in printed and all(0.1 < ms < 100 for ms in ms_per_step), ms_per_step
 
 
 def test_hostile_kinds_are_named_from_the_known_ones(capsys):

@@ -281,9 +281,9 @@ class Preparer:
                 result, error = job(), None
             except BaseException as e:  # handed to the request that asked
                 result, error = None, e
-            end = time.perf_counter()
             with contextlib.suppress(RuntimeError):  # its event loop has closed: nobody waits for it
                 loop.call_soon_threadsafe(_settle, future, result, error)
+            end = time.perf_counter()
             self.rested_at = max(self.rested_at, end) + self.rest * (end - start)
 
 

@@ -16,7 +16,7 @@ from collections import deque
 
 from ..request import RequestRecord, RequestSummary
 
-KEPT, KEPT_TOKEN_TIMES = 4096, 500_000  # records kept, and their token times in all (about 16 MB of floats)
+KEPT, KEPT_TOKEN_TIMES = 4096, 500_000  # records kept, their token times in all (16 MB of floats, ~10 MB as JSON)
 PAGE_DEFAULT, PAGE_MAX, PAGE_TOKEN_TIMES = 100, 1000, 20_000  # a page: records by default, at most, token times
 
 

@@ -25,7 +25,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-ENGINE, FRONT = "engine", "front"  # the two sides: the engine thread; the event loop and the preparation worker
+ENGINE, FRONT = "engine", "front"  # the two sides: the engine thread; the event loop
 
 
 class Turns:
@@ -36,7 +36,7 @@ class Turns:
     def __init__(self, front_share: float = 0.1):
         self.front_share = front_share
         self.changed = threading.Condition()
-        self.running = 0  # turns running now: 0 or 1
+        self.busy = False  # a turn is running
         self.last: str | None = None  # the side whose turn ran last
         self.waiting = {ENGINE: 0, FRONT: 0}  # threads of each side waiting for a turn
         self.began = 0.0  # time.perf_counter() when the turn running now began
@@ -47,17 +47,17 @@ class Turns:
         other = FRONT if side == ENGINE else ENGINE
         with self.changed:
             self.waiting[side] += 1
-            while self.running or (self.waiting[other] and self.last == side):
+            while self.busy or (self.waiting[other] and self.last == side):
                 self.changed.wait()
             self.waiting[side] -= 1
-            self.running, self.last, self.began = 1, side, time.perf_counter()
+            self.busy, self.last, self.began = True, side, time.perf_counter()
 
     def end(self) -> None:
         """End the turn taken by ``begin``."""
         with self.changed:
             if self.last == ENGINE:
                 self.engine_turn = time.perf_counter() - self.began
-            self.running = 0
+            self.busy = False
             self.changed.notify_all()
 
     def front_may_go_on(self) -> bool:

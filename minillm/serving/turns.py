@@ -2,10 +2,9 @@
 
 The engine thread and the event loop share one interpreter lock (the GIL). A step of the engine calls torch
 about 340 times (the tiny model, 4 requests), and each call lets the lock go and takes it back; while the
-event loop is busy, every one of those takes waits for the loop to let go. Beside one client that sent bad
-requests back to back, the tiny model's step went from 1.5 ms to 4.5 ms of wall time while the loop held
-the lock only about a quarter of the time: the waits, not the loop's work, halved the other clients'
-tokens/s (``benchmarks/soak.py``).
+event loop is busy, every one of those takes waits for the loop to let go. Beside one client that sent JSON
+nested 100,000 deep back to back (each a 400), the tiny model's step went from 1.8 ms to 6.2 ms of wall time,
+and the other clients kept 28% of their tokens/s (``benchmarks/soak.py``, before this module).
 
 ``Turns`` makes those waits rare: a step of the engine (with its outputs' text and delivery) is one turn,
 and a pass of the event loop over its ready callbacks (``TurnSelector``) is one; only one runs at a time,

@@ -509,9 +509,9 @@ class Window:
 
     @property
     def ms_per_step(self) -> float:
-        """The window over the engine's steps, in ms: the wall time of a step, as the engine never idles while
-        four victims stream back to back."""
-        return 1e3 * self.seconds / max(self.steps, 1)
+        """The window over the engine's steps, in ms: the wall time of a step, as the engine barely idles while
+        four victims stream back to back (nan if it took no step)."""
+        return 1e3 * self.seconds / self.steps if self.steps else float("nan")
 
     @property
     def cpu_per_token_ms(self) -> float:
